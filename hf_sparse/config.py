@@ -1,0 +1,158 @@
+"""Configuration dataclasses, one per method, validated on creation and stored as plain dicts in ``model.config``."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+#: Key under which the method configuration is stored in ``PretrainedConfig`` (and so in config.json).
+CONFIG_KEY = "hf_sparse"
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _as_range(name: str, value: Any) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair (top_k_left, top_k_right), got {value!r}")
+    left, right = (_as_int(name, v) for v in value)
+    if left < 1:
+        raise ValueError(f"{name}: top_k_left must be >= 1, got {left}")
+    if left > right:
+        raise ValueError(f"{name}: top_k_left ({left}) must not exceed top_k_right ({right})")
+    return left, right
+
+
+@dataclass
+class PLASConfig:
+    """PLAS sparse attention settings.
+
+    Attributes:
+        block_size: tokens per KV block (a power of two, >= 16).
+        prefill_top_k: (left, right) range for the number of blocks each query selects in prefill.
+        decode_top_k: (left, right) range for the number of blocks each query head selects in decode.
+        query_union: consecutive prefill queries whose selections are united (one attention tile).
+        dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
+        dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
+            ``top_k_left * block_size`` per phase, as FastDeploy; ``0`` forces the sparse path; a pair sets
+            (prefill, decode) separately.
+        sink_blocks: leading (non-padding) blocks every query always attends, besides its own block.
+        search_steps: binary-search steps of the threshold top-k.
+    """
+
+    block_size: int = 128
+    prefill_top_k: tuple[int, int] = (50, 60)
+    decode_top_k: tuple[int, int] = (100, 120)
+    query_union: int = 128
+    dense_layers: tuple[int, ...] = (-1,)
+    dense_below: int | tuple[int, int] | None = None
+    sink_blocks: int = 1
+    search_steps: int = 16
+    method: str = field(default="plas", init=False)
+
+    def __post_init__(self) -> None:
+        block_size = _as_int("block_size", self.block_size)
+        if not _is_power_of_two(block_size) or block_size < 16:
+            raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+        self.prefill_top_k = _as_range("prefill_top_k", self.prefill_top_k)
+        self.decode_top_k = _as_range("decode_top_k", self.decode_top_k)
+        if _as_int("query_union", self.query_union) < 1:
+            raise ValueError(f"query_union must be >= 1, got {self.query_union}")
+        if not isinstance(self.dense_layers, (tuple, list)):
+            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
+        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
+        if self.dense_below is not None:
+            if isinstance(self.dense_below, (tuple, list)):
+                if len(self.dense_below) != 2:
+                    raise ValueError(f"dense_below must be an int, a (prefill, decode) pair or None, got {self.dense_below!r}")
+                self.dense_below = tuple(_as_int("dense_below", v) for v in self.dense_below)
+                values = self.dense_below
+            else:
+                values = (_as_int("dense_below", self.dense_below),)
+            if min(values) < 0:
+                raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        if _as_int("sink_blocks", self.sink_blocks) < 0:
+            raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
+        if not 1 <= _as_int("search_steps", self.search_steps) <= 64:
+            raise ValueError(f"search_steps must be in [1, 64], got {self.search_steps}")
+
+    def top_k(self, phase: str) -> tuple[int, int]:
+        """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
+        return self.prefill_top_k if phase == "prefill" else self.decode_top_k
+
+    def dense_threshold(self, phase: str) -> int:
+        """Sequence length below which the phase runs dense."""
+        if self.dense_below is None:
+            return self.top_k(phase)[0] * self.block_size
+        if isinstance(self.dense_below, tuple):
+            return self.dense_below[0 if phase == "prefill" else 1]
+        return self.dense_below
+
+    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
+        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (the form stored in ``model.config``)."""
+        data = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PLASConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        data = dict(data)
+        method = data.pop("method", "plas")
+        if method != "plas":
+            raise ValueError(f"not a PLAS configuration: method={method!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown PLASConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    @classmethod
+    def from_fastdeploy(cls, options: Mapping[str, Any]) -> "PLASConfig":
+        """Build from FastDeploy's ``plas_*`` keys (older ``moba_*`` names are accepted too)."""
+        opts = {}
+        for key, value in options.items():
+            if key.startswith("moba_"):
+                key = "plas_" + key[len("moba_"):]
+            opts[key] = value
+        known = {
+            "plas_block_size", "plas_encoder_top_k_left", "plas_encoder_top_k_right", "plas_decoder_top_k_left",
+            "plas_decoder_top_k_right", "plas_use_encoder_seq_limit", "plas_use_decoder_seq_limit",
+            "plas_max_seq_length", "plas_use_mlp",
+        }
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ValueError(f"unknown FastDeploy PLAS key(s): {', '.join(unknown)}")
+        default = cls()
+        block_size = opts.get("plas_block_size", default.block_size)
+        prefill = (opts.get("plas_encoder_top_k_left", default.prefill_top_k[0]),
+                   opts.get("plas_encoder_top_k_right", default.prefill_top_k[1]))
+        decode = (opts.get("plas_decoder_top_k_left", default.decode_top_k[0]),
+                  opts.get("plas_decoder_top_k_right", default.decode_top_k[1]))
+        enc_limit = opts.get("plas_use_encoder_seq_limit")
+        dec_limit = opts.get("plas_use_decoder_seq_limit")
+        dense_below = None
+        if enc_limit is not None or dec_limit is not None:
+            dense_below = (
+                enc_limit if enc_limit is not None else prefill[0] * block_size,
+                dec_limit if dec_limit is not None else decode[0] * block_size,
+            )
+        return cls(block_size=block_size, prefill_top_k=prefill, decode_top_k=decode, dense_below=dense_below)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> PLASConfig:
+    """The method configuration stored under :data:`CONFIG_KEY`, as its dataclass."""
+    method = data.get("method", "plas")
+    if method == "plas":
+        return PLASConfig.from_dict(data)
+    raise ValueError(f"unknown hf_sparse method {method!r} in the model configuration")

@@ -1,0 +1,4 @@
+"""Block-selection policies, one file per method."""
+from .plas import PLASMethod
+
+__all__ = ["PLASMethod"]

@@ -1,0 +1,38 @@
+"""PLAS block selection: threshold top-k over gate-compressed key blocks, united per query tile or GQA group."""
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..config import PLASConfig
+from ..selection import BlockSelection
+
+
+class PLASMethod:
+    """Selects key blocks for prefill (union over ``query_union`` queries, per query head) and decode
+    (union over the query heads of each GQA group)."""
+
+    name = "plas"
+
+    def __init__(self, config: PLASConfig) -> None:
+        self.config = config
+
+    def select_prefill(
+        self, query: torch.Tensor, summaries: torch.Tensor, *, scale: float, q_offset: int, kv_start: torch.Tensor
+    ) -> BlockSelection:
+        return kernels.select_blocks(
+            query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
+            block_size=self.config.block_size, top_k=self.config.prefill_top_k,
+            query_tile=self.config.query_union, head_union=False,
+            sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps,
+        )
+
+    def select_decode(
+        self, query: torch.Tensor, summaries: torch.Tensor, *, scale: float, q_offset: int, kv_start: torch.Tensor
+    ) -> BlockSelection:
+        return kernels.select_blocks(
+            query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
+            block_size=self.config.block_size, top_k=self.config.decode_top_k,
+            query_tile=query.shape[2], head_union=True,
+            sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps,
+        )
