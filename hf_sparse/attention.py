@@ -101,14 +101,15 @@ def _record(rec: LayerRecord) -> None:
 
 
 def _block_counts(selection: BlockSelection, num_queries: int, q_offset: int, kv_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attended, causal) block totals: causal = blocks holding a valid slot up to each tile's last query."""
-    tiles = selection.num_query_tiles
-    last_query = torch.clamp((torch.arange(tiles, device=kv_start.device) + 1) * selection.query_tile, max=num_queries) - 1
-    last_block = torch.div(q_offset + last_query, selection.block_size, rounding_mode="floor")
-    first_block = torch.div(kv_start, selection.block_size, rounding_mode="floor")
-    causal = (last_block[None, :] - first_block[:, None] + 1).clamp_min(0)
-    causal_total = causal.sum() * selection.num_heads
-    return selection.counts.sum(), causal_total
+    """(attended, causal) block totals; causal = row blocks up to each tile's last real query."""
+    pad_q = (kv_start - q_offset).clamp(0, num_queries)
+    tiles = torch.arange(selection.num_query_tiles, device=kv_start.device)
+    last_query = torch.minimum(pad_q[:, None] + (tiles[None, :] + 1) * selection.query_tile,
+                               torch.full_like(pad_q[:, None], num_queries)) - 1
+    has_query = last_query >= pad_q[:, None] + tiles[None, :] * selection.query_tile
+    last_block = torch.div(q_offset + last_query - kv_start[:, None], selection.block_size, rounding_mode="floor")
+    causal = torch.where(has_query, last_block + 1, torch.zeros_like(last_block)).clamp_min(0)
+    return selection.counts.sum(), causal.sum() * selection.num_heads
 
 
 # -- the attention function ----------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ def plas_attention_forward(
         summaries = cache_layer.block_summaries(gate, kv_start, kernels.block_summaries)
     else:
         summaries = kernels.block_summaries(key, gate, kv_start, config.block_size)
+    # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference).
     method = PLASMethod(config)
     select = method.select_decode if phase == "decode" else method.select_prefill
     selection = select(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start)

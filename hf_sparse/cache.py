@@ -33,6 +33,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summarized_blocks = 0
         self._summary_source: tuple[Any, ...] | None = None
         self.kv_start: torch.Tensor | None = None
+        self._padding_range = (0, 0)
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -82,20 +83,24 @@ class SparseCacheLayer(CacheLayerMixin):
     def block_summaries(
         self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor, summarize: SummaryFn
     ) -> torch.Tensor:
-        """Summaries of all blocks ``[B, H, ceil(length / block_size), D]``.
+        """Summaries of every row block ``[B, H, num_blocks, D]`` (blocks counted from each row's first slot).
 
-        Full blocks are summarised once (``summarize`` is ``kernels.block_summaries``); the partial last
-        block is recomputed exactly on each call. A different gate or padding layout recomputes all.
+        Blocks full in every row are summarised once (``summarize`` is ``kernels.block_summaries``); the
+        later, partly filled ones (at most the padding spread plus one) are recomputed exactly on each call.
+        A different gate recomputes all. The padding layout ``kv_start`` is taken when the sequence starts
+        and kept (one host read per sequence, none per decode step).
         """
         source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
         if source != self._summary_source:
             self.summarized_blocks = 0
             self._summary_source = source
-        if self.kv_start is None or self.summarized_blocks == 0:
-            # Padding is fixed when the sequence starts; later calls reuse it (no per-step comparison).
+        if self.kv_start is None:
             self.kv_start = kv_start.clone()
+            self._padding_range = (int(kv_start.min()), int(kv_start.max()))
         kv_start = self.kv_start
-        full_blocks = self.length // self.block_size
+        least_pad, most_pad = self._padding_range
+        full_blocks = max(0, self.length - most_pad) // self.block_size
+        total_blocks = -(-(self.length - least_pad) // self.block_size)
         keys = self.key_storage[:, :, : self.length]
         if full_blocks > self.summarized_blocks:
             first = self.summarized_blocks
@@ -103,10 +108,9 @@ class SparseCacheLayer(CacheLayerMixin):
                 keys, gate_weight, kv_start, self.block_size, first, full_blocks - first
             )
             self.summarized_blocks = full_blocks
-        total_blocks = -(-self.length // self.block_size)
         if total_blocks > full_blocks:
             self.summary_storage[:, :, full_blocks:total_blocks] = summarize(
-                keys, gate_weight, kv_start, self.block_size, full_blocks, 1
+                keys, gate_weight, kv_start, self.block_size, full_blocks, total_blocks - full_blocks
             )
         return self.summary_storage[:, :, :total_blocks]
 
@@ -134,7 +138,10 @@ class SparseCacheLayer(CacheLayerMixin):
         else:
             new_length = max(0, self.length + tokens_to_remove)
         self.length = new_length
-        self.summarized_blocks = min(self.summarized_blocks, new_length // self.block_size)
+        self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - self._padding_range[1]) // self.block_size)
+        if new_length == 0:
+            self.reset()
+            return
         if self.key_storage is not None:
             self._views()
 
@@ -146,6 +153,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
+            self._padding_range = (int(self.kv_start.min()), int(self.kv_start.max()))
         self._views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -3,11 +3,15 @@
 Conventions shared with the Triton ops:
   * tensors are BNSD: query ``[B, Hq, Sq, D]``, key ``[B, Hkv, Skv, D]``, value ``[B, Hkv, Skv, Dv]``
     (any strides); ``Hq`` is a multiple of ``Hkv`` (GQA group ``G = Hq // Hkv``);
-  * key slot ``s`` is valid for row ``b`` when ``kv_start[b] <= s < Skv`` (left padding occupies the
-    first ``kv_start[b]`` slots); query ``i`` sits at slot ``q_offset + i`` and sees valid slots ``<=`` it;
-  * key block ``j`` covers slots ``[j * block_size, (j + 1) * block_size)``;
-  * scores, softmax and accumulation are float32; a query that sees no valid key outputs zeros and
-    log-sum-exp ``-inf``.
+  * left padding: row ``b`` holds its sequence in key slots ``kv_start[b] <= s < Skv``; query ``i`` sits
+    at slot ``q_offset + i`` and sees valid slots ``<=`` it; queries before ``kv_start[b]`` are padding;
+  * blocks and query tiles are counted per row from its first valid slot (varlen semantics), so a
+    left-padded row is processed exactly as the same sequence alone: key block ``j`` of row ``b`` covers
+    slots ``kv_start[b] + [j * block_size, (j + 1) * block_size)``; query tile ``t`` of row ``b`` holds
+    queries ``pad_q[b] + [t * query_tile, (t + 1) * query_tile)`` where
+    ``pad_q[b] = clamp(kv_start[b] - q_offset, 0, Sq)`` is the number of padding queries of the call;
+  * scores, softmax and accumulation are float32; a query that sees no valid key (padding) outputs
+    zeros and log-sum-exp ``-inf``.
 """
 from __future__ import annotations
 
@@ -21,8 +25,23 @@ from ..selection import BlockSelection
 _QUERY_CHUNK = 1024
 
 
-def _num_blocks(length: int, block_size: int) -> int:
-    return (length + block_size - 1) // block_size
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def num_row_blocks(key_length: int, kv_start: torch.Tensor, block_size: int) -> int:
+    """Blocks of the longest row (the width of summaries and block masks)."""
+    return _ceil_div(key_length - int(kv_start.min()), block_size)
+
+
+def padding_queries(num_queries: int, q_offset: int, kv_start: torch.Tensor) -> torch.Tensor:
+    """``pad_q[b]``: leading padding queries of each row in this call."""
+    return (kv_start - q_offset).clamp(0, num_queries)
+
+
+def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor, query_tile: int) -> int:
+    """Tiles of the row with the most real queries."""
+    return max(1, _ceil_div(num_queries - int(padding_queries(num_queries, q_offset, kv_start).min()), query_tile))
 
 
 def block_summaries(
@@ -36,39 +55,33 @@ def block_summaries(
     """Compressed key per block: ``sum_i valid_i * K_i * W[h, i, :]`` over the block's slots.
 
     Without a gate (``gate_weight=None``) the summary is the mean of the block's valid keys. Slots past
-    ``Skv`` (a partial last block) and padding slots are skipped. Returns float32 ``[B, Hkv, n, D]``
-    for blocks ``first_block .. first_block + n - 1``.
+    ``Skv`` (a partial last block) are skipped; a block with no valid slot is zero. Returns float32
+    ``[B, Hkv, n, D]`` for row blocks ``first_block .. first_block + n - 1``.
     """
     batch, heads, length, dim = keys.shape
+    kv_start = kv_start.to(keys.device)
     if num_blocks is None:
-        num_blocks = _num_blocks(length, block_size) - first_block
-    start = first_block * block_size
-    stop = min(length, (first_block + num_blocks) * block_size)
-    chunk = keys[:, :, start:stop].float()
-    pad = num_blocks * block_size - chunk.shape[2]
-    if pad:
-        chunk = torch.nn.functional.pad(chunk, (0, 0, 0, pad))
-    chunk = chunk.view(batch, heads, num_blocks, block_size, dim)
-    slots = start + torch.arange(num_blocks * block_size, device=keys.device)
-    valid = (slots[None, :] >= kv_start[:, None].to(keys.device)) & (slots[None, :] < length)
+        num_blocks = num_row_blocks(length, kv_start, block_size) - first_block
+    offsets = first_block * block_size + torch.arange(num_blocks * block_size, device=keys.device)
+    slots = kv_start[:, None] + offsets[None, :]  # [B, n * bs]
+    valid = slots < length
+    index = slots.clamp_max(length - 1)[:, None, :, None].expand(batch, heads, -1, dim)
+    chunk = torch.gather(keys, 2, index).float().view(batch, heads, num_blocks, block_size, dim)
     valid = valid.view(batch, 1, num_blocks, block_size, 1).float()
     if gate_weight is None:
-        total = (chunk * valid).sum(3)
-        return total / valid.sum(3).clamp_min(1.0)
+        return (chunk * valid).sum(3) / valid.sum(3).clamp_min(1.0)
     weight = gate_weight.float().view(1, heads, 1, block_size, dim)
     return (chunk * valid * weight).sum(3)
 
 
 def block_availability(
-    num_queries: int, num_blocks: int, q_offset: int, kv_start: torch.Tensor, block_size: int
+    num_queries: int, num_blocks: int, q_offset: int, kv_start: torch.Tensor, block_size: int, key_length: int
 ) -> torch.Tensor:
-    """Boolean ``[B, Sq, num_blocks]``: block holds a valid slot at or before the query's slot."""
+    """Boolean ``[B, Sq, num_blocks]``: the row block starts at or before the query's slot (and exists)."""
     device = kv_start.device
     q_slot = q_offset + torch.arange(num_queries, device=device)
-    block_first = torch.arange(num_blocks, device=device) * block_size
-    causal = block_first[None, :] <= q_slot[:, None]
-    has_valid = (block_first + block_size)[None, :] > kv_start[:, None]
-    return causal[None] & has_valid[:, None, :]
+    block_first = kv_start[:, None] + torch.arange(num_blocks, device=device)[None, :] * block_size  # [B, nb]
+    return (block_first[:, None, :] <= q_slot[None, :, None]) & (block_first[:, None, :] < key_length)
 
 
 def block_scores(
@@ -129,39 +142,37 @@ def select_blocks(
     head_union: bool,
     sink_blocks: int = 1,
     search_steps: int = 16,
+    key_length: int | None = None,
 ) -> BlockSelection:
-    """Per query and head: threshold top-k over block scores, plus forced blocks, united per row.
+    """Per query and head: threshold top-k over block scores, plus forced blocks, united per row tile.
 
-    Forced blocks: the query's own (diagonal) block and the first ``sink_blocks`` blocks holding valid
-    slots. Rows unite ``query_tile`` consecutive queries, and with ``head_union`` also the query heads of
-    each GQA group (one row per KV head).
+    Forced blocks: the query's own (diagonal) block and the row's first ``sink_blocks`` blocks. Each
+    selection row unites the ``query_tile`` queries of a tile, and with ``head_union`` also the query heads
+    of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``.
     """
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
-    num_tiles = _num_blocks(num_queries, query_tile)
+    key_length = q_offset + num_queries if key_length is None else key_length
     kv_start = kv_start.to(query.device)
-    first_valid_block = torch.div(kv_start, block_size, rounding_mode="floor")
+    num_tiles = num_query_tiles(num_queries, q_offset, kv_start, query_tile)
+    pad_q = padding_queries(num_queries, q_offset, kv_start)
     block_ids = torch.arange(num_blocks, device=query.device)
-    sink = (block_ids[None, :] >= first_valid_block[:, None]) & (
-        block_ids[None, :] < first_valid_block[:, None] + sink_blocks
-    )
-    tile_masks = []
-    tiles_per_chunk = max(1, _QUERY_CHUNK // query_tile)
-    for tile0 in range(0, num_tiles, tiles_per_chunk):
-        q0 = tile0 * query_tile
-        q1 = min(num_queries, q0 + tiles_per_chunk * query_tile)
-        available = block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block_size)
+    tile_mask = torch.zeros(batch, q_heads, num_tiles + 1, num_blocks, dtype=torch.uint8, device=query.device)
+    for q0 in range(0, num_queries, _QUERY_CHUNK):
+        q1 = min(num_queries, q0 + _QUERY_CHUNK)
+        query_ids = torch.arange(q0, q1, device=query.device)
+        available = block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block_size, key_length)
         probs = block_scores(query[:, :, q0:q1], summaries, scale, available)
         chosen = threshold_topk(probs, available[:, None], top_k, search_steps)
-        q_slot = q_offset + torch.arange(q0, q1, device=query.device)
-        diagonal = block_ids[None, :] == torch.div(q_slot, block_size, rounding_mode="floor")[:, None]
-        forced = (diagonal[None] | sink[:, None]) & available
-        chosen |= forced[:, None]
-        pad = (-(q1 - q0)) % query_tile
-        if pad:
-            chosen = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=False)
-        tile_masks.append(chosen.view(batch, q_heads, -1, query_tile, num_blocks).any(3))
-    mask = torch.cat(tile_masks, dim=2)
+        own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
+        forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]
+        chosen |= (forced & available)[:, None]
+        real = query_ids[None, :] >= pad_q[:, None]
+        tile = torch.div(query_ids[None, :] - pad_q[:, None], query_tile, rounding_mode="floor")
+        tile = torch.where(real, tile, torch.full_like(tile, num_tiles))  # padding queries -> dummy tile
+        index = tile[:, None, :, None].expand(batch, q_heads, q1 - q0, num_blocks)
+        tile_mask.scatter_reduce_(2, index, chosen.to(torch.uint8), reduce="amax")
+    mask = tile_mask[:, :, :num_tiles].bool()
     if head_union:
         mask = mask.view(batch, kv_heads, q_heads // kv_heads, num_tiles, num_blocks).any(2)
     return BlockSelection.from_mask(mask, block_size=block_size, query_tile=query_tile)
@@ -177,54 +188,53 @@ def sparse_attention(
     q_offset: int,
     kv_start: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each query over the valid, causal slots of its row's selected blocks.
+    """Attention of each query over the valid, causal slots of its tile's selected row blocks.
 
     Returns the output ``[B, Hq, Sq, Dv]`` in the query dtype and the float32 log-sum-exp ``[B, Hq, Sq]``
-    of the scaled scores (``-inf`` where a query sees no slot).
+    of the scaled scores (``-inf`` where a query sees no slot; its output is zero).
     """
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     block_size, query_tile = selection.block_size, selection.query_tile
-    num_blocks = _num_blocks(length, block_size)
     group = q_heads // kv_heads
     rows_per_head = q_heads // selection.num_heads
-    pad = num_blocks * block_size - length
-    key_blocks = torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(batch, kv_heads, num_blocks, block_size, -1)
-    value_blocks = torch.nn.functional.pad(value.float(), (0, 0, 0, pad)).view(batch, kv_heads, num_blocks, block_size, -1)
-    key_blocks = key_blocks.repeat_interleave(group, dim=1)
-    value_blocks = value_blocks.repeat_interleave(group, dim=1)
+    kv_start = kv_start.to(query.device)
+    pad_q = padding_queries(num_queries, q_offset, kv_start)
+    keys = key.float().repeat_interleave(group, dim=1)
+    values = value.float().repeat_interleave(group, dim=1)
     indices = selection.indices.repeat_interleave(rows_per_head, dim=1).long()
     counts = selection.counts.repeat_interleave(rows_per_head, dim=1)
-    kv_start = kv_start.to(query.device)
     out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=torch.float32, device=query.device)
     lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
     in_block = torch.arange(block_size, device=query.device)
+    in_tile = torch.arange(query_tile, device=query.device)
     for tile in range(selection.num_query_tiles):
-        q0, q1 = tile * query_tile, min(num_queries, (tile + 1) * query_tile)
-        if q0 >= num_queries:
-            break
         width = int(counts[:, :, tile].max())
-        if width == 0:
+        query_ids = pad_q[:, None] + tile * query_tile + in_tile[None, :]  # [B, QT]
+        query_ok = query_ids < num_queries
+        if width == 0 or not bool(query_ok.any()):
             continue
-        idx = indices[:, :, tile, :width]
-        used = torch.arange(width, device=query.device) < counts[:, :, tile, None]
-        safe = idx.clamp_min(0)
-        gather = safe[..., None, None].expand(-1, -1, -1, block_size, key_blocks.shape[-1])
-        keys_sel = torch.gather(key_blocks, 2, gather).flatten(2, 3)
-        gather_v = safe[..., None, None].expand(-1, -1, -1, block_size, value_blocks.shape[-1])
-        values_sel = torch.gather(value_blocks, 2, gather_v).flatten(2, 3)
-        slot = (safe[..., None] * block_size + in_block).flatten(2)  # [B, Hq, width*bs]
-        slot_ok = used[..., None].expand(-1, -1, -1, block_size).flatten(2)
-        slot_ok &= (slot >= kv_start[:, None, None]) & (slot < length)
-        q_slot = q_offset + torch.arange(q0, q1, device=query.device)
-        visible = slot_ok[:, :, None, :] & (slot[:, :, None, :] <= q_slot[None, None, :, None])
-        scores = torch.matmul(query[:, :, q0:q1].float(), keys_sel.transpose(-1, -2)) * scale
+        query_ids = query_ids.clamp_max(num_queries - 1)
+        q_tile = torch.gather(query.float(), 2, query_ids[:, None, :, None].expand(batch, q_heads, -1, query.shape[-1]))
+        used = torch.arange(width, device=query.device) < counts[:, :, tile, None]  # [B, Hq, W]
+        block_first = kv_start[:, None, None] + indices[:, :, tile, :width].clamp_min(0) * block_size
+        slot = (block_first[..., None] + in_block).flatten(2)  # [B, Hq, W * bs]
+        slot_ok = used[..., None].expand(-1, -1, -1, block_size).flatten(2) & (slot < length)
+        slot = slot.clamp_max(length - 1)
+        keys_sel = torch.gather(keys, 2, slot[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        values_sel = torch.gather(values, 2, slot[..., None].expand(-1, -1, -1, values.shape[-1]))
+        q_slot = q_offset + query_ids  # [B, QT]
+        visible = slot_ok[:, :, None, :] & (slot[:, :, None, :] <= q_slot[:, None, :, None])
+        scores = torch.matmul(q_tile, keys_sel.transpose(-1, -2)) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         tile_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - tile_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
-        weights = torch.nan_to_num(weights, nan=0.0)
-        out[:, :, q0:q1] = torch.matmul(weights, values_sel)
-        lse[:, :, q0:q1] = tile_lse
+        tile_out = torch.matmul(weights, values_sel)
+        # Write back only the tile's real queries (clamped duplicates past the end are dropped).
+        for b in range(batch):
+            ok = query_ok[b]
+            out[b, :, query_ids[b, ok]] = tile_out[b, :, ok]
+            lse[b, :, query_ids[b, ok]] = tile_lse[b, :, ok]
     return out.to(query.dtype), lse
 
 

@@ -1,0 +1,148 @@
+"""Fidelity of sparse attention against dense attention on one input: next-token KL, top-1, recall, density."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .attention import LayerRecord, record_sparsity
+from .config import CONFIG_KEY, PLASConfig
+from .integration import configure
+
+_QUERY_CHUNK = 512
+
+
+@dataclass
+class LayerFidelity:
+    """One layer's prefill: fraction of causal blocks attended, dense attention mass on them, and
+    the attention-level KL ``mean(-log recall)`` (dense vs dense-restricted-to-selection)."""
+
+    layer_idx: int
+    density: float
+    recall: float
+    attention_kl: float
+    dense_reason: str | None = None
+
+
+@dataclass
+class FidelityReport:
+    """Overall next-token agreement with dense attention, plus the per-layer breakdown."""
+
+    num_tokens: int
+    positions: int
+    kl: float
+    top1_agreement: float
+    density: float
+    recall: float
+    layers: list[LayerFidelity] = field(default_factory=list)
+
+    def table(self) -> str:
+        """A plain-text table (what ``hf-sparse eval`` prints)."""
+        lines = [
+            f"tokens {self.num_tokens}, positions scored {self.positions}",
+            f"next-token KL(dense||sparse) {self.kl:.5f}   top-1 agreement {self.top1_agreement:.4f}   "
+            f"density {self.density:.3f}   recall {self.recall:.4f}",
+            f"{'layer':>5} {'density':>8} {'recall':>8} {'attn KL':>8}  note",
+        ]
+        for layer in self.layers:
+            note = f"dense: {layer.dense_reason}" if layer.dense_reason else ""
+            lines.append(f"{layer.layer_idx:>5} {layer.density:>8.3f} {layer.recall:>8.4f} {layer.attention_kl:>8.4f}  {note}")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _attention(model: Any, implementation: str, config: PLASConfig | None = None) -> Iterator[None]:
+    previous_impl = model.config._attn_implementation
+    previous_cfg = getattr(model.config, CONFIG_KEY, None)
+    try:
+        if config is not None:
+            configure(model, config)
+        elif model.config._attn_implementation != implementation:
+            model.set_attn_implementation(implementation)
+        yield
+    finally:
+        if model.config._attn_implementation != previous_impl:
+            model.set_attn_implementation(previous_impl)
+        if previous_cfg is None:
+            if hasattr(model.config, CONFIG_KEY):
+                delattr(model.config, CONFIG_KEY)
+        else:
+            setattr(model.config, CONFIG_KEY, previous_cfg)
+
+
+def _layer_recall(record: LayerRecord) -> tuple[float, float]:
+    """Mean dense attention mass on the selected blocks, and mean ``-log`` of it, over valid queries and heads."""
+    query, key, _value, kv_start = record.inputs
+    selection = record.selection
+    batch, q_heads, num_queries, head_dim = query.shape
+    key_length = key.shape[2]
+    q_offset = key_length - num_queries
+    block_size = selection.block_size
+    num_blocks = -(-(key_length - int(kv_start.min())) // block_size)
+    group = q_heads // key.shape[1]
+    keys = key.float().repeat_interleave(group, dim=1)
+    block_mask = selection.to_mask(num_blocks).repeat_interleave(q_heads // selection.num_heads, dim=1)
+    pad_q = (kv_start - q_offset).clamp(0, num_queries)
+    slots = torch.arange(key_length, device=query.device)
+    slot_block = torch.div(slots[None, :] - kv_start[:, None], block_size, rounding_mode="floor").clamp(0, num_blocks - 1)
+    total = log_total = 0.0
+    count = 0
+    for q0 in range(0, num_queries, _QUERY_CHUNK):
+        q1 = min(num_queries, q0 + _QUERY_CHUNK)
+        query_ids = torch.arange(q0, q1, device=query.device)
+        q_slot = q_offset + query_ids
+        visible = (slots[None, :] <= q_slot[:, None])[None] & (slots[None, None, :] >= kv_start[:, None, None])
+        scores = torch.matmul(query[:, :, q0:q1].float(), keys.transpose(-1, -2)) / head_dim**0.5
+        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+        real = query_ids[None, :] >= pad_q[:, None]  # [B, q]
+        tiles = torch.div(query_ids[None, :] - pad_q[:, None], selection.query_tile, rounding_mode="floor")
+        tiles = tiles.clamp(0, selection.num_query_tiles - 1)
+        chosen_blocks = torch.gather(block_mask, 2, tiles[:, None, :, None].expand(-1, q_heads, -1, num_blocks))
+        chosen_slots = torch.gather(chosen_blocks, 3, slot_block[:, None, None, :].expand(-1, q_heads, q1 - q0, -1))
+        recall = (probs * chosen_slots).sum(-1)
+        valid = real[:, None].expand_as(recall)
+        recall = recall[valid].clamp(1e-12, 1.0)
+        total += float(recall.sum())
+        log_total += float(-recall.log().sum())
+        count += recall.numel()
+    return total / max(count, 1), log_total / max(count, 1)
+
+
+@torch.no_grad()
+def fidelity(model: Any, input_ids: torch.Tensor, config: PLASConfig | None = None, last_n: int = 256,
+             attention_mask: torch.Tensor | None = None, with_recall: bool = True) -> FidelityReport:
+    """Compare the model's next-token distributions with ``config``'s sparse attention against dense sdpa.
+
+    KL and top-1 agreement are taken over the last ``last_n`` positions of every row; density and recall
+    over all sparse prefill layers (``with_recall=False`` skips the dense attention pass that recall
+    needs and reports recall as NaN). The model's own attention setting is restored afterwards.
+    """
+    config = config if config is not None else PLASConfig()
+    positions = min(last_n, input_ids.shape[1])
+    with _attention(model, "sdpa"):
+        dense_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
+    with _attention(model, "plas", config), record_sparsity(keep_inputs=True) as recorder:
+        sparse_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
+    dense_lp = torch.log_softmax(dense_logits[:, -positions:], dim=-1)
+    sparse_lp = torch.log_softmax(sparse_logits[:, -positions:], dim=-1)
+    kl = (dense_lp.exp() * (dense_lp - sparse_lp)).sum(-1).mean().item()
+    top1 = (dense_lp.argmax(-1) == sparse_lp.argmax(-1)).float().mean().item()
+    layers = []
+    attended = causal = 0.0
+    for rec in recorder.records:
+        if rec.dense_reason is not None:
+            layers.append(LayerFidelity(rec.layer_idx, 1.0, 1.0, 0.0, rec.dense_reason))
+            continue
+        recall, attn_kl = _layer_recall(rec) if with_recall else (float("nan"), float("nan"))
+        attended += float(rec.attended_blocks)
+        causal += float(rec.causal_blocks)
+        layers.append(LayerFidelity(rec.layer_idx, float(rec.attended_blocks) / max(float(rec.causal_blocks), 1.0),
+                                    recall, attn_kl))
+    sparse_layers = [layer for layer in layers if layer.dense_reason is None]
+    mean_recall = sum(layer.recall for layer in sparse_layers) / len(sparse_layers) if sparse_layers else 1.0
+    return FidelityReport(
+        num_tokens=input_ids.shape[1], positions=positions, kl=kl, top1_agreement=top1,
+        density=attended / causal if causal else 1.0, recall=mean_recall, layers=layers,
+    )

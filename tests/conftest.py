@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random-init models and the embedded SmolLM2 model."""
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import sysconfig
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+import hf_sparse  # noqa: F401  (registers "plas")
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+ARCHS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "mistral": MistralConfig,
+}
+
+
+def tiny_config(arch: str = "llama", q_heads: int = 4, kv_heads: int = 2, head_dim: int = 16, layers: int = 2):
+    """A small random-init decoder config (no download)."""
+    kwargs = dict(vocab_size=128, hidden_size=q_heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=q_heads, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    if arch == "llama":
+        kwargs["head_dim"] = head_dim
+    if arch in ("mistral", "qwen2"):
+        kwargs["sliding_window"] = None
+    return ARCHS[arch](**kwargs)
+
+
+def build(config, attn: str, seed: int = 0):
+    """Model from a deep copy of ``config`` (from_config writes the implementation into the config object)."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def full_density(block_size: int = 16) -> hf_sparse.PLASConfig:
+    """Sparse path everywhere, but every block selected: must equal dense attention."""
+    return hf_sparse.PLASConfig(block_size=block_size, prefill_top_k=(10_000, 10_000), decode_top_k=(10_000, 10_000),
+                                dense_below=0, dense_layers=(), query_union=32)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, sdpa attention."""
+    from hf_sparse.default_model import load_default_model
+
+    return load_default_model(attn_implementation="sdpa")
+
+
+def stdlib_text(min_chars: int) -> str:
+    """Deterministic natural-ish text: the standard library's own source files, in sorted order."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts, total = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        parts.append(text)
+        total += len(text)
+        if total >= min_chars:
+            break
+    return "".join(parts)

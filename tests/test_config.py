@@ -1,0 +1,102 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_sparse
+from hf_sparse.config import CONFIG_KEY, PLASConfig
+
+from conftest import build, tiny_config
+
+
+def test_defaults_match_fastdeploy():
+    config = PLASConfig()
+    assert config.block_size == 128 and config.prefill_top_k == (50, 60) and config.decode_top_k == (100, 120)
+    assert config.query_union == 128 and config.dense_layers == (-1,)
+    assert config.dense_threshold("prefill") == 50 * 128 and config.dense_threshold("decode") == 100 * 128
+    assert PLASConfig(dense_below=0).dense_threshold("decode") == 0
+    assert PLASConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"block_size": 100}, "block_size"),
+    ({"block_size": 8}, "block_size"),
+    ({"prefill_top_k": (60, 50)}, "prefill_top_k"),
+    ({"decode_top_k": (0, 5)}, "decode_top_k"),
+    ({"decode_top_k": 5}, "decode_top_k"),
+    ({"query_union": 0}, "query_union"),
+    ({"dense_below": -1}, "dense_below"),
+    ({"dense_layers": "last"}, "dense_layers"),
+    ({"search_steps": 0}, "search_steps"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PLASConfig(**kwargs)
+
+
+def test_dict_round_trip_and_unknown_keys():
+    config = PLASConfig(block_size=64, prefill_top_k=(4, 6), dense_layers=(0, -1), dense_below=(5, 7))
+    data = json.loads(json.dumps(config.to_dict()))
+    assert PLASConfig.from_dict(data) == config
+    with pytest.raises(ValueError, match="unknown PLASConfig field"):
+        PLASConfig.from_dict({"blocksize": 64})
+
+
+def test_from_fastdeploy_keys():
+    config = PLASConfig.from_fastdeploy({
+        "plas_block_size": 64, "plas_encoder_top_k_left": 5, "plas_encoder_top_k_right": 9,
+        "plas_decoder_top_k_left": 10, "plas_decoder_top_k_right": 12, "plas_use_decoder_seq_limit": 4096,
+    })
+    assert config.block_size == 64 and config.prefill_top_k == (5, 9) and config.decode_top_k == (10, 12)
+    assert config.dense_threshold("prefill") == 5 * 64 and config.dense_threshold("decode") == 4096
+    legacy = PLASConfig.from_fastdeploy({"moba_encoder_top_k_left": 50, "moba_encoder_top_k_right": 60})
+    assert legacy.prefill_top_k == (50, 60)
+    with pytest.raises(ValueError, match="plas_bogus"):
+        PLASConfig.from_fastdeploy({"plas_bogus": 1})
+
+
+def test_configure_round_trips_through_save_pretrained(tmp_path):
+    model = build(tiny_config(), "sdpa")
+    config = PLASConfig(block_size=32, prefill_top_k=(2, 3), dense_below=0)
+    hf_sparse.configure(model, config)
+    assert model.config._attn_implementation == "plas"
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]
+    assert PLASConfig.from_dict(stored) == config
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="plas")
+    assert PLASConfig.from_dict(getattr(loaded.config, CONFIG_KEY)) == config
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, loaded(ids).logits)
+
+
+def test_loaded_without_config_gets_defaults(tmp_path):
+    build(tiny_config(), "sdpa").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="plas")
+    assert loaded.config._attn_implementation == "plas"
+    assert hf_sparse.attention.method_config(loaded.config) == PLASConfig()
+
+
+def test_configure_rejects_wrong_types():
+    model = build(tiny_config(), "sdpa")
+    with pytest.raises(TypeError, match="PLASConfig"):
+        hf_sparse.configure(model, {"block_size": 64})
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf_sparse.configure(torch.nn.Linear(2, 2))
+
+
+def test_model_without_attention_interface_is_rejected():
+    model = build(tiny_config(), "sdpa")
+    model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        hf_sparse.configure(model)
+
+
+def test_pending_methods_raise_naming_their_issue():
+    model = build(tiny_config(), "xattn")
+    with pytest.raises(NotImplementedError, match="issue #5"):
+        model(torch.randint(0, 128, (1, 8)))
+    model = build(tiny_config(), "star")
+    with pytest.raises(NotImplementedError, match="issue #6"):
+        model(torch.randint(0, 128, (1, 8)))

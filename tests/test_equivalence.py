@@ -1,0 +1,177 @@
+""""plas" on random-init models: equal to sdpa at full density, padding, beam search, assisted decoding, cache."""
+import pytest
+import torch
+
+import hf_sparse
+from hf_sparse.cache import SparseCache
+from hf_sparse.kernels import reference as ref
+
+from conftest import build, full_density, tiny_config
+
+GQA = {1: (4, 4), 3: (6, 2), 4: (8, 2)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_full_density_equals_sdpa(arch, group):
+    q_heads, kv_heads = GQA[group]
+    config = tiny_config(arch, q_heads, kv_heads)
+    sparse, dense = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(sparse, full_density(block_size=16))
+    ids = torch.randint(0, 128, (2, 90))  # not a multiple of the block size
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        torch.testing.assert_close(sparse(ids).logits, dense(ids).logits, atol=2e-5, rtol=1e-4)
+        out_sparse = sparse.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        out_dense = dense.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+    assert isinstance(out_sparse.past_key_values, SparseCache)
+    assert torch.equal(out_sparse.sequences, out_dense.sequences)
+    for a, b in zip(out_sparse.logits, out_dense.logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert {r.phase for r in rec.records} == {"prefill", "decode"}
+    assert not rec.dense_layers(), "every layer ran the sparse path"
+    assert rec.density() == pytest.approx(1.0)
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    config = tiny_config("llama", 6, 2)
+    model = build(config, "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1), decode_top_k=(3, 4),
+                                                    dense_below=0, dense_layers=(), query_union=8))
+    torch.manual_seed(5)
+    long_ids, short_ids = torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 219))
+    batch = torch.zeros(2, 300, dtype=torch.long)
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    batch[0], mask[0] = long_ids[0], 1
+    batch[1, 81:], mask[1, 81:] = short_ids[0], 1
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        alone_long = model.generate(long_ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        alone_short = model.generate(short_ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert rec.density("prefill") < 0.8 and rec.density("decode") < 0.8, "selection really was sparse"
+    assert torch.equal(together[0, 300:], alone_long[0, 300:])
+    assert torch.equal(together[1, 300:], alone_short[0, 219:])
+
+
+def test_right_padding_is_rejected():
+    model = build(tiny_config(), "plas")
+    hf_sparse.configure(model, full_density())
+    ids = torch.randint(3, 128, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        model(ids, attention_mask=mask)
+
+
+def test_beam_search_with_sparse_cache():
+    config = tiny_config("llama", 8, 2)
+    sparse, dense = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(sparse, full_density())
+    ids = torch.randint(3, 128, (2, 50))
+    with torch.no_grad():
+        a = sparse.generate(ids, max_new_tokens=8, num_beams=2, do_sample=False, return_dict_in_generate=True)
+        b = dense.generate(ids, max_new_tokens=8, num_beams=2, do_sample=False)
+    assert isinstance(a.past_key_values, SparseCache)
+    assert torch.equal(a.sequences, b)
+
+
+def test_assisted_decoding_crops_the_sparse_cache():
+    config = tiny_config("llama", 8, 2)
+    target = build(config, "plas", seed=0)
+    hf_sparse.configure(target, full_density())
+    assistant = build(tiny_config("llama", 4, 2, layers=1), "sdpa", seed=1)
+    dense = build(config, "sdpa", seed=0)
+    ids = torch.randint(3, 128, (1, 60))
+    crops = []
+    original = hf_sparse.cache.SparseCacheLayer.crop
+
+    def counting_crop(self, tokens):
+        crops.append(tokens)
+        return original(self, tokens)
+
+    hf_sparse.cache.SparseCacheLayer.crop = counting_crop
+    try:
+        with torch.no_grad():
+            assisted = target.generate(ids, assistant_model=assistant, max_new_tokens=16, do_sample=False)
+            plain = dense.generate(ids, max_new_tokens=16, do_sample=False)
+    finally:
+        hf_sparse.cache.SparseCacheLayer.crop = original
+    assert crops, "assisted decoding rolled the cache back"
+    assert torch.equal(assisted, plain)
+
+
+def test_cache_summaries_match_recomputation_after_many_steps():
+    config = tiny_config("llama", 4, 2)
+    model = build(config, "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, dense_layers=()))
+    ids = torch.randint(3, 128, (2, 37))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=45, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    for layer in cache.layers:
+        assert layer.length == 37 + 44  # the last generated token is not fed back
+        assert layer.summarized_blocks == (layer.length - 9) // 16  # blocks full in every row
+        kv_start = torch.tensor([0, 9])
+        keys = layer.key_storage[:, :, : layer.length]
+        recomputed = ref.block_summaries(keys, None, kv_start, 16)
+        cached = layer.block_summaries(None, kv_start, ref.block_summaries)
+        torch.testing.assert_close(cached, recomputed, atol=1e-6, rtol=1e-6)
+
+
+def test_cache_grows_by_chunks_and_supports_batch_ops():
+    layer = hf_sparse.cache.SparseCacheLayer(block_size=16, chunk_blocks=2)
+    k = torch.randn(2, 2, 5, 8)
+    keys, values = layer.update(k, k + 1)
+    assert layer.capacity == 32 and keys.shape == (2, 2, 5, 8)
+    storage = layer.key_storage
+    for _ in range(20):
+        layer.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert layer.key_storage is storage, "no reallocation while within capacity"
+    layer.update(torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8))
+    assert layer.capacity == 64 and layer.get_seq_length() == 35
+    assert torch.equal(layer.keys[:, :, :5], k)
+    layer.crop(-3)
+    assert layer.get_seq_length() == 32 and layer.keys.shape[2] == 32
+    layer.crop(30)
+    assert layer.get_seq_length() == 30
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape[0] == 1
+    layer.batch_repeat_interleave(3)
+    assert layer.keys.shape[0] == 3
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    layer.reset()
+    assert layer.get_seq_length() == 0
+    cache = SparseCache(tiny_config(layers=3), block_size=32)
+    assert len(cache.layers) == 3 and cache.get_seq_length() == 0
+    assert cache.get_mask_sizes(7, 0) == (7, 0)
+
+
+def test_user_passed_cache_wins_and_dynamic_cache_stays_correct():
+    from transformers import DynamicCache
+
+    config = tiny_config("llama", 4, 2)
+    sparse, dense = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(sparse, full_density())
+    ids = torch.randint(3, 128, (1, 40))
+    cache = DynamicCache(config=sparse.config)
+    with torch.no_grad():
+        out = sparse.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                              return_dict_in_generate=True)
+        ref_out = dense.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.past_key_values is cache
+    assert torch.equal(out.sequences, ref_out)
+
+
+def test_bad_inputs_get_clear_errors():
+    model = build(tiny_config(), "plas")
+    hf_sparse.configure(model, full_density())
+    ids = torch.randint(3, 128, (1, 40))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids, output_attentions=True)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        model.to(torch.float64)(ids)

@@ -1,0 +1,153 @@
+"""The PyTorch reference ops: properties of selection, and sparse attention vs dense attention."""
+import math
+
+import pytest
+import torch
+
+from hf_sparse.kernels import reference as ref
+from hf_sparse.selection import BlockSelection
+
+
+def dense_attention(query, key, value, q_offset, kv_start):
+    group = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(group, 1).double(), value.repeat_interleave(group, 1).double()
+    slots = torch.arange(key.shape[2])
+    q_slot = q_offset + torch.arange(query.shape[2])
+    visible = (slots[None, :] <= q_slot[:, None])[None] & (slots[None, None, :] >= kv_start[:, None, None])
+    scores = query.double() @ keys.transpose(-1, -2) / math.sqrt(query.shape[-1])
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0)
+    return probs @ values
+
+
+@pytest.mark.parametrize("batch, q_heads, kv_heads, length, block", [(1, 4, 4, 100, 16), (3, 6, 2, 77, 32), (2, 8, 1, 130, 16)])
+def test_full_selection_equals_dense(batch, q_heads, kv_heads, length, block):
+    torch.manual_seed(length)
+    q = torch.randn(batch, q_heads, length, 32)
+    k = torch.randn(batch, kv_heads, length, 32)
+    v = torch.randn(batch, kv_heads, length, 24)  # Dk != Dv
+    kv_start = torch.randint(0, 20, (batch,))
+    summaries = ref.block_summaries(k, None, kv_start, block)
+    selection = ref.select_blocks(q, summaries, scale=32 ** -0.5, q_offset=0, kv_start=kv_start, block_size=block,
+                                  top_k=(1000, 1000), query_tile=32, head_union=False)
+    out, lse = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=0, kv_start=kv_start)
+    expected = dense_attention(q, k, v, 0, kv_start)
+    valid = (torch.arange(length)[None, :] >= kv_start[:, None])[:, None, :, None]
+    torch.testing.assert_close(out.double() * valid, expected * valid, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[~valid[..., 0].expand_as(lse)]).all()
+
+
+def test_threshold_topk_lands_in_range():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(5, 7, 200) * 3, -1)
+    available = torch.ones_like(probs, dtype=torch.bool)
+    chosen = ref.threshold_topk(probs, available, (10, 14), search_steps=30)
+    counts = chosen.sum(-1)
+    assert counts.min() >= 10 and counts.max() <= 14
+    # the selected set is a top set: every chosen probability beats every unchosen one
+    assert (probs.masked_fill(~chosen, 2).amin(-1) >= probs.masked_fill(chosen, -1).amax(-1)).all()
+
+
+def test_threshold_topk_selects_all_when_few_available():
+    probs = torch.softmax(torch.randn(2, 9), -1)
+    available = torch.zeros(2, 9, dtype=torch.bool)
+    available[:, :5] = True
+    assert torch.equal(ref.threshold_topk(probs, available, (6, 8), 16), available)
+
+
+def test_selection_forces_diagonal_and_sink_and_respects_causality():
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 64, 16)
+    k = torch.randn(1, 2, 64 + 100, 16)
+    kv_start = torch.tensor([20])  # row blocks start at slot 20: block j = slots 20 + [16j, 16j + 16)
+    summaries = ref.block_summaries(k, None, kv_start, 16)
+    assert summaries.shape[2] == 9
+    args = dict(scale=0.25, q_offset=100, kv_start=kv_start, block_size=16, top_k=(1, 1), head_union=False)
+    sel = ref.select_blocks(q, summaries, query_tile=16, **args)
+    mask = sel.to_mask(9)
+    for tile in range(4):
+        first_slot, last_slot = 100 + tile * 16, 100 + tile * 16 + 15
+        assert mask[0, :, tile, 0].all(), "sink: the row's first block"
+        assert mask[0, :, tile, (first_slot - 20) // 16].all() and mask[0, :, tile, (last_slot - 20) // 16].all()
+        assert not mask[0, :, tile, (last_slot - 20) // 16 + 1:].any(), "causal"
+    per_query = ref.select_blocks(q, summaries, query_tile=1, **args)
+    assert (per_query.counts <= 3).all(), "one chosen block + sink + diagonal"
+    assert torch.equal(per_query.to_mask(9).view(1, 2, 4, 16, 9).any(3), mask), "tiles unite their queries"
+
+
+def test_left_padded_row_is_processed_like_the_sequence_alone():
+    torch.manual_seed(6)
+    alone_q, alone_k, alone_v = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    pad = 23
+    padded = [torch.cat([torch.randn(1, t.shape[1], pad, 16), t], 2) for t in (alone_q, alone_k, alone_v)]
+    args = dict(scale=0.25, q_offset=0, block_size=16, top_k=(2, 2), query_tile=16, head_union=False)
+    results = []
+    for (q, k, v), kv_start in (((alone_q, alone_k, alone_v), torch.tensor([0])), (padded, torch.tensor([pad]))):
+        summaries = ref.block_summaries(k, None, kv_start, 16)
+        sel = ref.select_blocks(q, summaries, kv_start=kv_start, **args)
+        out, _ = ref.sparse_attention(q, k, v, sel, scale=0.25, q_offset=0, kv_start=kv_start)
+        results.append((sel, out))
+    assert torch.equal(results[0][0].indices, results[1][0].indices)
+    assert results[0][0].counts.float().mean() < 4.5, "really sparse"
+    torch.testing.assert_close(results[1][1][:, :, pad:], results[0][1])
+    assert (results[1][1][:, :, :pad] == 0).all()
+
+
+def test_head_union_is_union_of_group_heads():
+    torch.manual_seed(2)
+    q = torch.randn(2, 6, 3, 16)
+    k = torch.randn(2, 2, 300, 16)
+    kv_start = torch.tensor([0, 33])
+    summaries = ref.block_summaries(k, None, kv_start, 16)
+    args = dict(scale=0.25, q_offset=297, kv_start=kv_start, block_size=16, top_k=(3, 4), query_tile=3)
+    per_head = ref.select_blocks(q, summaries, head_union=False, **args).to_mask(19)
+    grouped = ref.select_blocks(q, summaries, head_union=True, **args).to_mask(19)
+    assert torch.equal(grouped, per_head.view(2, 2, 3, 1, 19).any(2))
+
+
+def test_block_summaries_mean_and_gate():
+    torch.manual_seed(3)
+    k = torch.randn(2, 3, 50, 8)
+    kv_start = torch.tensor([0, 5])
+    mean = ref.block_summaries(k, None, kv_start, 16)
+    assert mean.shape == (2, 3, 4, 8)
+    torch.testing.assert_close(mean[1, :, 0], k[1, :, 5:21].mean(1))  # row blocks start at kv_start
+    torch.testing.assert_close(mean[1, :, 2], k[1, :, 37:50].mean(1))  # partial last block: exact mean
+    torch.testing.assert_close(mean[0, :, 3], k[0, :, 48:50].mean(1))
+    gate = torch.randn(3, 16, 8)
+    gated = ref.block_summaries(k, gate, kv_start, 16)
+    torch.testing.assert_close(gated[0, :, 1], (k[0, :, 16:32] * gate).sum(1))
+    torch.testing.assert_close(gated[0, :, 3], (k[0, :, 48:50] * gate[:, :2]).sum(1))
+    part = ref.block_summaries(k, gate, kv_start, 16, first_block=2, num_blocks=1)
+    torch.testing.assert_close(part[:, :, 0], gated[:, :, 2])
+
+
+def test_merge_lse_equals_attention_over_the_union():
+    torch.manual_seed(4)
+    q = torch.randn(1, 2, 5, 16)
+    k = torch.randn(1, 2, 96, 16)
+    v = torch.randn(1, 2, 96, 16)
+    kv_start = torch.tensor([0])
+    parts = []
+    for blocks in ([0, 2], [1, 3, 4, 5]):
+        mask = torch.zeros(1, 2, 1, 6, dtype=torch.bool)
+        mask[..., blocks] = True
+        parts.append(ref.sparse_attention(q, k, v, BlockSelection.from_mask(mask, 16, 5), scale=0.25, q_offset=91,
+                                          kv_start=kv_start))
+    merged, lse = ref.merge_lse(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    full_mask = torch.ones(1, 2, 1, 6, dtype=torch.bool)
+    full, full_lse = ref.sparse_attention(q, k, v, BlockSelection.from_mask(full_mask, 16, 5), scale=0.25, q_offset=91,
+                                          kv_start=kv_start)
+    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_block_selection_mask_round_trip():
+    mask = torch.rand(2, 3, 4, 9) > 0.5
+    sel = BlockSelection.from_mask(mask, 16, 8)
+    assert torch.equal(sel.to_mask(9), mask)
+    valid = torch.arange(9) < sel.counts[..., None]
+    assert (sel.indices[~valid] == -1).all()
+    ids = sel.indices.masked_fill(~valid, 99)
+    assert (ids[..., 1:] > ids[..., :-1]).logical_or(~valid[..., 1:]).all(), "ascending"
+    with pytest.raises(ValueError, match="disagree"):
+        BlockSelection(sel.indices, sel.counts[:, :, :2], 16, 8)
