@@ -1,0 +1,146 @@
+"""`hf-sparse` command line: generate with a sparse method, and report fidelity against dense attention."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .config import PLASConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _parse_value(text: str) -> Any:
+    if text.lower() == "none":
+        return None
+    if "," in text:
+        return tuple(int(part) for part in text.split(",") if part)
+    return int(text)
+
+
+def config_from_overrides(overrides: Sequence[str]) -> PLASConfig:
+    """``PLASConfig`` from ``field=value`` strings (``prefill_top_k=4,6``, ``dense_below=none``)."""
+    fields = {f.name for f in dataclasses.fields(PLASConfig) if f.init}
+    values: dict[str, Any] = {}
+    for item in overrides:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set expects field=value with a PLASConfig field ({', '.join(sorted(fields))}); got {item!r}")
+        try:
+            values[name] = _parse_value(raw)
+        except ValueError:
+            raise SystemExit(f"--set {name}: cannot parse {raw!r} (integers, comma-separated pairs or 'none')") from None
+    try:
+        return PLASConfig(**values)
+    except ValueError as error:
+        raise SystemExit(f"invalid configuration: {error}") from None
+
+
+def _load(model_name: str, dtype: str, device: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .default_model import default_model_dir
+
+    path = str(default_model_dir()) if model_name == "default" else model_name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tokenizer, device
+
+
+def _read_text(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    with open(args.prompt_file, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt-file", help="text file with the prompt / input")
+    source.add_argument("--prompt", help="the prompt itself")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="PLASConfig override")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--device", default=None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import configure, record_sparsity
+
+    config = config_from_overrides(args.set)
+    model, tokenizer, device = _load(args.model, args.dtype, args.device)
+    if args.method == "plas":
+        configure(model, config)
+    text = _read_text(args)
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(text, return_tensors="pt").to(device)
+    with torch.no_grad(), record_sparsity() as recorder:
+        start = time.perf_counter()
+        output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+        elapsed = time.perf_counter() - start
+    print(tokenizer.decode(output[0, inputs.input_ids.shape[1]:], skip_special_tokens=True))
+    summary = f"[{args.method}] {inputs.input_ids.shape[1]} prompt tokens, {elapsed:.2f} s"
+    if args.method == "plas":
+        summary += f", density prefill {recorder.density('prefill'):.3f} decode {recorder.density('decode'):.3f}"
+        dense = recorder.dense_layers()
+        if dense:
+            summary += f", dense layers {sorted(dense)} ({'; '.join(sorted(set(dense.values())))})"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .eval import fidelity
+
+    config = config_from_overrides(args.set)
+    model, tokenizer, device = _load(args.model, args.dtype, args.device)
+    ids = tokenizer(_read_text(args), return_tensors="pt").input_ids
+    if args.tokens:
+        if ids.shape[1] < args.tokens:
+            raise SystemExit(f"the input has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
+        ids = ids[:, : args.tokens]
+    report = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
+    print(report.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-sparse", description="Sparse attention for transformers models")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (which layers ran dense and why)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate text with a sparse (or dense) attention method")
+    _add_common(generate)
+    generate.add_argument("--method", choices=["plas", "sdpa"], default="plas")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.set_defaults(run=_generate)
+    evaluate = commands.add_parser("eval", help="fidelity of sparse vs dense attention on one input")
+    _add_common(evaluate)
+    evaluate.add_argument("--tokens", type=int, default=0, help="truncate the input to this many tokens")
+    evaluate.add_argument("--last-n", type=int, default=256, help="positions scored for KL / top-1")
+    evaluate.add_argument("--no-recall", action="store_true", help="skip the (slow) attention-recall pass")
+    evaluate.set_defaults(run=_eval)
+    try:
+        from .training import add_train_gates_command
+    except ImportError:
+        pass
+    else:
+        add_train_gates_command(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
