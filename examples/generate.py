@@ -48,7 +48,7 @@ def main() -> None:
     length = inputs.input_ids.shape[1]
     # The default PLAS config (block 128, top-k 50-60) keeps a 4K prompt dense; this demo config makes both
     # phases sparse at 4K so the effect is visible.
-    config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(8, 10), decode_top_k=(8, 10), query_union=128,
+    config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(5, 7), decode_top_k=(8, 10), query_union=64,
                                   dense_below=0)
     print(f"device {device}, prompt {length} tokens, hidden pass key {key}")
     print(f"PLAS config: {config}")
