@@ -13,9 +13,9 @@ import torch
 
 from . import kernels
 from .cache import LAYER_ATTR
-from .config import CONFIG_KEY, PLASConfig, config_from_dict
+from .config import CONFIG_KEY, config_from_dict
 from .gates import get_gate_weight
-from .methods import PLASMethod
+from .methods import METHODS
 from .selection import BlockSelection
 
 logger = logging.getLogger(__name__)
@@ -28,16 +28,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_config(serialized: str) -> PLASConfig:
-    return config_from_dict(json.loads(serialized))
+def _parse_config(serialized: str, method: str) -> Any:
+    return config_from_dict(json.loads(serialized), default_method=method)
 
 
-def method_config(model_config: Any) -> PLASConfig:
-    """The PLAS configuration stored in a model's config (defaults when none was attached)."""
+def method_config(model_config: Any, method: str = "plas") -> Any:
+    """The configuration of ``method`` stored in a model's config (its defaults when none, or another
+    method's, is attached)."""
     stored = getattr(model_config, CONFIG_KEY, None)
-    if not stored:
-        return _parse_config("{}")
-    return _parse_config(json.dumps(stored, sort_keys=True))
+    if not stored or stored.get("method", "plas") != method:
+        return _parse_config("{}", method)
+    return _parse_config(json.dumps(stored, sort_keys=True), method)
 
 
 # -- sparsity recording ------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def plas_attention_forward(
+def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -174,15 +175,18 @@ def plas_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    *,
+    method: str = "plas",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """PLAS attention: dense below ``dense_below`` and on ``dense_layers``, block-sparse otherwise."""
+    """Block-sparse attention with ``method``'s selection: dense below ``dense_below`` and on
+    ``dense_layers``, block-sparse otherwise."""
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
     _unsupported(kwargs, key_length)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
-    config = method_config(module.config)
+    config = method_config(module.config, method)
     layer_idx = getattr(module, "layer_idx", 0)
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
     phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
@@ -217,11 +221,16 @@ def plas_attention_forward(
     else:
         summaries = kernels.block_summaries(key, gate, kv_start, config.block_size)
     # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference).
-    method = PLASMethod(config)
-    select = method.select_decode if phase == "decode" else method.select_prefill
-    selection = select(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start)
+    policy = METHODS[method](config)
+    select = policy.select_decode if phase == "decode" else policy.select_prefill
+    selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start)
     if _RECORDERS:
         attended, causal = _block_counts(selection, num_queries, q_offset, kv_start)
         _record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, kv_start)))
     return output.transpose(1, 2).contiguous(), None
+
+
+def plas_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """attn_implementation="plas"."""
+    return sparse_attention_forward(module, query, key, value, attention_mask, method="plas", **kwargs)

@@ -150,9 +150,13 @@ class PLASConfig:
         return cls(block_size=block_size, prefill_top_k=prefill, decode_top_k=decode, dense_below=dense_below)
 
 
-def config_from_dict(data: Mapping[str, Any]) -> PLASConfig:
+#: Configuration class of each method name (the attn_implementation it registers).
+CONFIG_CLASSES: dict[str, type] = {"plas": PLASConfig}
+
+
+def config_from_dict(data: Mapping[str, Any], default_method: str = "plas") -> Any:
     """The method configuration stored under :data:`CONFIG_KEY`, as its dataclass."""
-    method = data.get("method", "plas")
-    if method == "plas":
-        return PLASConfig.from_dict(data)
-    raise ValueError(f"unknown hf_sparse method {method!r} in the model configuration")
+    method = data.get("method", default_method)
+    if method not in CONFIG_CLASSES:
+        raise ValueError(f"unknown hf_sparse method {method!r} in the model configuration; known: {sorted(CONFIG_CLASSES)}")
+    return CONFIG_CLASSES[method].from_dict(data)

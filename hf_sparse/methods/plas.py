@@ -10,7 +10,12 @@ from ..selection import BlockSelection
 
 class PLASMethod:
     """Selects key blocks for prefill (union over ``query_union`` queries, per query head) and decode
-    (union over the query heads of each GQA group)."""
+    (union over the query heads of each GQA group).
+
+    The method protocol (shared by every file in ``methods/``): ``config`` with ``block_size``,
+    ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
+    the query, the block summaries and the keys, returning a :class:`BlockSelection`.
+    """
 
     name = "plas"
 
@@ -18,7 +23,8 @@ class PLASMethod:
         self.config = config
 
     def select_prefill(
-        self, query: torch.Tensor, summaries: torch.Tensor, *, scale: float, q_offset: int, kv_start: torch.Tensor
+        self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
+        kv_start: torch.Tensor,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
@@ -28,7 +34,8 @@ class PLASMethod:
         )
 
     def select_decode(
-        self, query: torch.Tensor, summaries: torch.Tensor, *, scale: float, q_offset: int, kv_start: torch.Tensor
+        self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
+        kv_start: torch.Tensor,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
