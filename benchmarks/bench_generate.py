@@ -1,0 +1,77 @@
+"""End-to-end generate(): TTFT, TPOT and peak memory, "sdpa" vs "plas", on a Llama-3-8B-shaped model.
+
+Random weights built from a config (no download). Run on a GPU:
+    python benchmarks/bench_generate.py --lengths 32768 131072 --new-tokens 128
+Prints one table; TTFT = time of generate(max_new_tokens=1), TPOT = (time(N) - TTFT) / (N - 1), medians
+over --repeats runs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_sparse
+
+
+def llama3_8b_config(layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                       rope_theta=500000.0)
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama3_8b_config(args.layers), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    rows = []
+    for length in args.lengths:
+        ids = torch.randint(0, 128256, (1, length), device="cuda")
+        results = {}
+        for method in ("sdpa", "plas"):
+            if method == "plas":
+                hf_sparse.configure(model, hf_sparse.PLASConfig())
+            else:
+                model.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                timed_generate(model, ids[:, :4096], 2)  # warm-up: compilation, autotuning
+                torch.cuda.reset_peak_memory_stats()
+                ttft = statistics.median(timed_generate(model, ids, 1) for _ in range(args.repeats))
+                total = statistics.median(timed_generate(model, ids, args.new_tokens) for _ in range(args.repeats))
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            results[method] = (ttft, (total - ttft) / (args.new_tokens - 1), peak)
+        (t_d, p_d, m_d), (t_s, p_s, m_s) = results["sdpa"], results["plas"]
+        rows.append((length, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s))
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | Llama-3-8B shape, {args.layers} layers, "
+          f"bf16, batch 1, {args.new_tokens} new tokens, medians of {args.repeats}")
+    print(f"{'input':>7} | {'TTFT sdpa s':>11} {'TTFT plas s':>11} {'speed-up':>8} | {'TPOT sdpa ms':>12} "
+          f"{'TPOT plas ms':>12} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak plas GiB':>13}")
+    for r in rows:
+        print(f"{r[0]:>7} | {r[1]:>11.3f} {r[2]:>11.3f} {r[3]:>7.2f}x | {r[4]:>12.2f} {r[5]:>12.2f} {r[6]:>7.2f}x | "
+              f"{r[7]:>13.1f} {r[8]:>13.1f}")
+
+
+if __name__ == "__main__":
+    main()
