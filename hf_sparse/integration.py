@@ -36,16 +36,15 @@ def _not_yet(name: str) -> Callable[..., Any]:
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                  **kwargs: Any) -> torch.Tensor | None:
-    """Mask function for our implementations: the 2D padding mask ``[B, kv_length]``, or None without padding.
+    """Mask function for our implementations: the 2D padding mask ``[B, kv_length]`` (or None when the
+    caller passed none).
 
-    No dense ``[B, 1, S, S]`` mask is built; causality is applied inside the attention function.
+    No dense ``[B, 1, S, S]`` mask is built; causality is applied inside the attention function. The mask
+    is returned even when it holds no padding: checking that would read it on the host every step.
     """
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
-    return attention_mask
+    return attention_mask[:, -kv_length:]
 
 
 _ORIGINAL: dict[str, Any] = {}
