@@ -175,3 +175,17 @@ def test_bad_inputs_get_clear_errors():
         model(ids, output_attentions=True)
     with pytest.raises(TypeError, match="float32/float16/bfloat16"):
         model.to(torch.float64)(ids)
+
+
+def test_dense_layers_are_reported_and_logged(caplog):
+    model = build(tiny_config(layers=3), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1), dense_below=(0, 10_000),
+                                                    dense_layers=(0,), query_union=8))
+    ids = torch.randint(3, 128, (1, 200))
+    with caplog.at_level("DEBUG", logger="hf_sparse"), torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert rec.dense_layers("prefill") == {0: "dense_layers"}
+    assert set(rec.dense_layers("decode")) == {0, 1, 2}
+    assert all("dense_below" in reason for layer, reason in rec.dense_layers("decode").items() if layer)
+    assert "layer 0 prefill: dense (dense_layers)" in caplog.text
+    assert rec.density("prefill") < 1.0
