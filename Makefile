@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/generate.py
 
+# The suite, then the Triton kernels against their references in Triton's CPU interpreter.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests

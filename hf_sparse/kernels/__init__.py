@@ -5,15 +5,36 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
 
 from . import reference
 
-__all__ = ["backend_for", "block_summaries", "select_blocks", "sparse_attention", "merge_lse", "reference"]
+__all__ = [
+    "antidiagonal_block_scores", "backend_for", "block_summaries", "merge_lse", "reference", "select_blocks",
+    "sparse_attention",
+]
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+_TRITON_OPS = None
+if _TRITON_AVAILABLE:
+    # Imported here, before the public functions below are defined: the op modules share their names, and the
+    # definitions below must be what `kernels.<name>` means. Triton decides at import whether it interprets
+    # (TRITON_INTERPRET=1), as it does for its own library. Without triton, or with a broken one, the PyTorch
+    # reference serves every op.
+    try:
+        from . import block_summaries as _summaries_op
+        from . import merge_lse as _merge_op
+        from . import select_blocks as _select_op
+        from . import sparse_decode as _decode_op
+        from . import sparse_prefill as _prefill_op
+        from . import xattn_scores as _xattn_op
+
+        _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op)
+    except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
+        logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
 
 def backend_for(tensor: torch.Tensor) -> str:
@@ -33,24 +54,45 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 
 def _triton_ops_present() -> bool:
-    return False
+    """Whether the Triton op modules imported (triton installed and usable)."""
+    return _TRITON_OPS is not None
 
 
 def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None):
     """See :func:`reference.block_summaries`."""
+    if backend_for(keys) == "triton":
+        return _TRITON_OPS[0].block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
     return reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
 
 
 def select_blocks(query, summaries, **kwargs):
     """See :func:`reference.select_blocks`."""
+    if backend_for(query) == "triton":
+        return _TRITON_OPS[1].select_blocks(query, summaries, **kwargs)
     return reference.select_blocks(query, summaries, **kwargs)
 
 
 def sparse_attention(query, key, value, selection, **kwargs):
-    """See :func:`reference.sparse_attention`."""
+    """See :func:`reference.sparse_attention`. On Triton, a selection with one query tile over at most 16
+    queries (decode, assisted/speculative decoding) runs the split decode kernel, anything else the prefill
+    kernel."""
+    if backend_for(query) == "triton":
+        _, _, prefill_op, decode_op, _, _ = _TRITON_OPS
+        if selection.num_query_tiles == 1 and query.shape[2] <= decode_op.MAX_DECODE_QUERIES:
+            return decode_op.sparse_decode(query, key, value, selection, **kwargs)
+        return prefill_op.sparse_prefill(query, key, value, selection, **kwargs)
     return reference.sparse_attention(query, key, value, selection, **kwargs)
 
 
 def merge_lse(outputs, lses):
     """See :func:`reference.merge_lse`."""
+    if backend_for(outputs) == "triton":
+        return _TRITON_OPS[4].merge_lse(outputs, lses)
     return reference.merge_lse(outputs, lses)
+
+
+def antidiagonal_block_scores(query, key, **kwargs):
+    """See :func:`reference.antidiagonal_block_scores`."""
+    if backend_for(query) == "triton":
+        return _TRITON_OPS[5].antidiagonal_block_scores(query, key, **kwargs)
+    return reference.antidiagonal_block_scores(query, key, **kwargs)

@@ -40,7 +40,9 @@ def padding_queries(num_queries: int, q_offset: int, kv_start: torch.Tensor) -> 
 
 
 def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor, query_tile: int) -> int:
-    """Tiles of the row with the most real queries."""
+    """Tiles of the row with the most real queries (1, without reading kv_start, when one tile spans the call)."""
+    if query_tile >= num_queries:
+        return 1
     return max(1, _ceil_div(num_queries - int(padding_queries(num_queries, q_offset, kv_start).min()), query_tile))
 
 
@@ -254,3 +256,112 @@ def merge_lse(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
 def default_scale(head_dim: int) -> float:
     """The usual ``1 / sqrt(head_dim)`` softmax scale."""
     return 1.0 / math.sqrt(head_dim)
+
+
+# -- XAttention: antidiagonal block scoring and cumulative-threshold selection -----------------------------
+def antidiagonal_block_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int,
+    kv_start: torch.Tensor,
+    block_size: int,
+    stride: int,
+    first_tile: int = 0,
+    num_tiles: int | None = None,
+    key_chunk: int | None = None,
+) -> torch.Tensor:
+    """XAttention's estimate of the attention mass of each (query tile, key block): float32 ``[B, Hq, n, nb]``.
+
+    Tokens are grouped ``stride`` at a time: key group ``r`` of row ``b`` holds slots
+    ``kv_start[b] + [r * S, (r + 1) * S)``; query group ``g`` of tile ``t`` (query tiles of ``block_size``
+    queries, counted per row as in the module docstring) holds its queries ``t * block_size + [g * S, (g + 1) * S)``.
+    The score of ``(g, r)`` is the antidiagonal sum ``sum_m q[g*S + S-1-m] . k[r*S + m] * scale / S`` (one
+    GEMM on the strided reshape of Q and K; missing tokens count as zero). A query group sees the key groups
+    whose first slot is at or before the slot of its last query. Scores are softmaxed over the visible key
+    groups and the probabilities summed over the query groups of a tile and the key groups of a block, so a
+    tile's masses add up to its number of real query groups.
+
+    Returns tiles ``first_tile .. first_tile + n - 1`` (``n = num_tiles``, default: the rest) against all row
+    blocks. ``key_chunk`` (a multiple of ``block_size``) bounds the keys scored at once; when the keys are longer
+    the softmax takes two passes (log-sum-exp over the chunks, then masses).
+    """
+    batch, q_heads, num_queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    device = query.device
+    kv_start = kv_start.to(device)
+    if block_size % stride:
+        raise ValueError(f"stride {stride} must divide block_size {block_size}")
+    groups_per_block = block_size // stride
+    num_blocks = num_row_blocks(length, kv_start, block_size)
+    if num_tiles is None:
+        num_tiles = num_query_tiles(num_queries, q_offset, kv_start, block_size) - first_tile
+    key_chunk = num_blocks * block_size if key_chunk is None else key_chunk
+    blocks_per_chunk = max(1, key_chunk // block_size)
+    num_q_groups = num_tiles * groups_per_block
+
+    # Queries of the tiles, strided and reversed within each group so that element m meets key element m.
+    pad_q = padding_queries(num_queries, q_offset, kv_start)
+    query_ids = pad_q[:, None] + first_tile * block_size + torch.arange(num_tiles * block_size, device=device)[None]
+    query_ok = query_ids < num_queries
+    gathered = torch.gather(query, 2, query_ids.clamp_max(num_queries - 1)[:, None, :, None].expand(-1, q_heads, -1, dim))
+    gathered = gathered.float() * query_ok[:, None, :, None]
+    strided_q = gathered.view(batch, q_heads, num_q_groups, stride, dim).flip(3)
+    strided_q = strided_q.reshape(batch, kv_heads, group * num_q_groups, stride * dim)
+    group_real = query_ok[:, ::stride]  # [B, Gq]: the group's first query exists
+    group_last = q_offset + query_ids[:, stride - 1 :: stride] - kv_start[:, None]  # row-relative slot
+
+    def chunk_logits(first_block: int, last_block: int) -> torch.Tensor:
+        offsets = torch.arange(first_block * block_size, last_block * block_size, device=device)
+        slots = kv_start[:, None] + offsets[None, :]
+        slot_ok = slots < length
+        keys = torch.gather(key, 2, slots.clamp_max(length - 1)[:, None, :, None].expand(-1, kv_heads, -1, dim))
+        keys = (keys.float() * slot_ok[:, None, :, None]).view(batch, kv_heads, -1, stride * dim)
+        logits = torch.matmul(strided_q, keys.transpose(-1, -2)) * (scale / stride)
+        logits = logits.view(batch, q_heads, num_q_groups, -1)
+        key_first = offsets[::stride]  # row-relative first slot of each key group
+        visible = slot_ok[:, None, ::stride] & (key_first[None, None, :] <= group_last[:, :, None])
+        return logits.masked_fill(~visible[:, None], float("-inf"))
+
+    chunks = [(j, min(num_blocks, j + blocks_per_chunk)) for j in range(0, num_blocks, blocks_per_chunk)]
+    first_logits = chunk_logits(*chunks[0])
+    lse = torch.logsumexp(first_logits, dim=-1)
+    for first_block, last_block in chunks[1:]:
+        lse = torch.logaddexp(lse, torch.logsumexp(chunk_logits(first_block, last_block), dim=-1))
+    lse = lse.clamp_min(torch.finfo(torch.float32).min)[..., None]  # rows that see nothing stay at zero mass
+    real = group_real[:, None, :, None]
+    masses = []
+    for index, (first_block, last_block) in enumerate(chunks):
+        logits = first_logits if index == 0 else chunk_logits(first_block, last_block)
+        probs = torch.exp(logits - lse) * real
+        probs = probs.view(batch, q_heads, num_tiles, groups_per_block, last_block - first_block, groups_per_block)
+        masses.append(probs.sum(5).sum(3))
+    return torch.cat(masses, dim=-1)
+
+
+def cumulative_threshold_select(
+    mass: torch.Tensor, available: torch.Tensor, forced: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Per row, the smallest set of blocks whose mass reaches ``threshold`` of the row's available mass.
+
+    ``mass`` is ``[..., nb]`` (non-negative); ``available`` and ``forced`` are boolean and broadcast to it.
+    The forced blocks (those available) are kept first and their mass counted; the other available blocks
+    follow in descending mass, each kept while the mass kept before it is below ``threshold * total``
+    (ties: lower block id first). ``threshold >= 1`` keeps every available block. Returns a boolean mask.
+    """
+    available = available.expand(mass.shape)
+    if threshold >= 1.0:
+        return available.clone()
+    forced = forced.expand(mass.shape) & available
+    mass = torch.where(available, mass.double(), 0.0)
+    required = threshold * mass.sum(-1, keepdim=True)
+    kept = torch.where(forced, mass, 0.0).sum(-1, keepdim=True)
+    candidates = torch.where(available & ~forced, mass, -1.0)  # non-candidates sort last
+    ordered, order = torch.sort(candidates, dim=-1, descending=True, stable=True)
+    cumulative = ordered.clamp_min(0.0).cumsum(-1)
+    before = kept + torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    take = (before < required) & (ordered >= 0.0)
+    chosen = torch.zeros_like(take).scatter_(-1, order, take)
+    return chosen | forced

@@ -1,0 +1,103 @@
+"""Block summaries (PLAS compressed keys): gate-weighted sum, or mean, of each row block's valid keys.
+
+Semantics: :func:`hf_sparse.kernels.reference.block_summaries`. One program per (batch, KV head, block) walks
+the block's slots ``ROWS`` at a time, so any block size and head dim fit in registers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _block_summaries_kernel(
+    K, W, OUT, KV_START,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_wh, stride_wi, stride_wd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    key_length, first_block,
+    KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    batch_head = tl.program_id(0)
+    block = tl.program_id(1)
+    b = batch_head // KV_HEADS
+    h = batch_head % KV_HEADS
+    kv_start = tl.load(KV_START + b).to(tl.int32)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    block_first = kv_start + (first_block + block) * BLOCK_SIZE
+    total = tl.zeros([D_PAD], tl.float32)
+    valid_slots = tl.zeros([ROWS], tl.float32)
+    for r0 in tl.static_range(0, BLOCK_SIZE, ROWS):
+        in_block = r0 + tl.arange(0, ROWS)
+        slots = block_first + in_block
+        valid = slots < key_length
+        keys = tl.load(K + b * stride_kb + h * stride_kh + slots[:, None].to(tl.int64) * stride_ks
+                       + offs_d[None, :] * stride_kd, mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_GATE:
+            weight = tl.load(W + h * stride_wh + in_block[:, None] * stride_wi + offs_d[None, :] * stride_wd,
+                             mask=d_ok[None, :], other=0.0).to(tl.float32)
+            keys = keys * weight
+        total += tl.sum(keys, 0)
+        valid_slots += valid.to(tl.float32)
+    if not HAS_GATE:
+        total = total / tl.maximum(tl.sum(valid_slots, 0), 1.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + block * stride_on + offs_d * stride_od, total, mask=d_ok)
+
+
+def _next_power_of_2(n: int) -> int:
+    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def block_summaries(
+    keys: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    kv_start: torch.Tensor,
+    block_size: int,
+    first_block: int = 0,
+    num_blocks: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`hf_sparse.kernels.reference.block_summaries`: float32 ``[B, Hkv, n, D]``.
+
+    ``keys`` is ``[B, Hkv, Skv, D]`` with any strides; ``out`` (float32, that shape, any strides) is written in
+    place when given. Without ``num_blocks`` the count is read from ``kv_start`` (one device-to-host copy).
+    """
+    if keys.dim() != 4 or not keys.is_floating_point():
+        raise ValueError(f"keys must be a floating [B, Hkv, Skv, D] tensor, got {tuple(keys.shape)} {keys.dtype}")
+    batch, heads, length, dim = keys.shape
+    if kv_start.shape != (batch,) or kv_start.is_floating_point():
+        raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
+    if gate_weight is not None and tuple(gate_weight.shape) != (heads, block_size, dim):
+        raise ValueError(
+            f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
+        )
+    if block_size < 1 or first_block < 0:
+        raise ValueError(f"block_size must be >= 1 and first_block >= 0, got {block_size}, {first_block}")
+    kv_start = kv_start.to(keys.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    if num_blocks is None:
+        num_blocks = -(-(length - int(kv_start.min())) // block_size) - first_block
+    num_blocks = max(0, num_blocks)
+    if out is None:
+        out = torch.empty(batch, heads, num_blocks, dim, dtype=torch.float32, device=keys.device)
+    elif tuple(out.shape) != (batch, heads, num_blocks, dim) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {(batch, heads, num_blocks, dim)}, got {tuple(out.shape)} {out.dtype}")
+    if num_blocks == 0 or batch * heads == 0:
+        return out
+    weight = gate_weight if gate_weight is not None else keys.new_empty(1, 1, 1)
+    d_pad = max(16, _next_power_of_2(dim))
+    rows = max(1, min(_next_power_of_2(block_size), 8192 // d_pad))
+    if block_size % rows:
+        rows = 1  # block sizes that are not powers of two: one slot at a time
+    _block_summaries_kernel[(batch * heads, num_blocks)](
+        keys, weight, out, kv_start,
+        *keys.stride(), *weight.stride(), *out.stride(),
+        length, first_block,
+        KV_HEADS=heads, BLOCK_SIZE=block_size, ROWS=rows, HEAD_DIM=dim, D_PAD=d_pad,
+        HAS_GATE=gate_weight is not None, num_warps=4,
+    )
+    return out

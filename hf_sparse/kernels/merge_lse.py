@@ -1,0 +1,125 @@
+"""Merge of partial attention results computed over disjoint key sets, by log-sum-exp.
+
+Semantics: :func:`hf_sparse.kernels.reference.merge_lse`. Used by the split decode and by Star Attention.
+Rows are the output's leading dims (up to three, e.g. batch, head, query) addressed through strides, so
+BNSD and BSND views merge without copies; ``BLOCK_R`` rows per program.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_lse_kernel(
+    PARTS, PART_LSE, OUT, OUT_LSE,
+    stride_pn, stride_p0, stride_p1, stride_p2, stride_pd,
+    stride_ln, stride_l0, stride_l1, stride_l2,
+    stride_o0, stride_o1, stride_o2, stride_od,
+    stride_m0, stride_m1, stride_m2,
+    size1, size2, num_rows, num_parts,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    i0 = (rows // (size1 * size2)).to(tl.int64)
+    i1 = (rows // size2) % size1
+    i2 = rows % size2
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    lse_rows = PART_LSE + i0 * stride_l0 + i1 * stride_l1 + i2 * stride_l2
+    part_rows = PARTS + i0 * stride_p0 + i1 * stride_p1 + i2 * stride_p2
+
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for n in range(0, num_parts):
+        top = tl.maximum(top, tl.load(lse_rows + n * stride_ln, mask=row_ok, other=float("-inf")))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for n in range(0, num_parts):
+        weight = tl.exp(tl.load(lse_rows + n * stride_ln, mask=row_ok, other=float("-inf")) - top_safe)
+        part = tl.load(part_rows[:, None] + n * stride_pn + offs_d[None, :] * stride_pd,
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc += weight[:, None] * part
+        total += weight
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    merged = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(OUT + i0[:, None] * stride_o0 + i1[:, None] * stride_o1 + i2[:, None] * stride_o2 + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(OUT_LSE + i0 * stride_m0 + i1 * stride_m1 + i2 * stride_m2, merged, mask=row_ok)
+
+
+def _next_power_of_2(n: int) -> int:
+    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _row_view(tensor: torch.Tensor, keep_front: int, keep_back: int, writable: bool = False) -> torch.Tensor:
+    """The middle (row) dims of ``tensor`` as exactly three: a view whenever strides allow (else a copy, which
+    an output, ``writable``, must not be)."""
+    front = tensor.shape[:keep_front]
+    back = tensor.shape[tensor.dim() - keep_back:]
+    middle = tensor.shape[keep_front:tensor.dim() - keep_back]
+    while len(middle) < 3:
+        middle = (1,) + tuple(middle)
+    if len(middle) > 3:
+        lead = 1
+        for size in middle[:len(middle) - 2]:
+            lead *= size
+        middle = (lead,) + tuple(middle[len(middle) - 2:])
+    if writable:
+        return tensor.view(*front, *middle, *back)
+    return tensor.reshape(*front, *middle, *back)
+
+
+def merge_lse(
+    outputs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`hf_sparse.kernels.reference.merge_lse`.
+
+    ``outputs`` ``[N, ..., D]`` (float16/bfloat16/float32), ``lses`` ``[N, ...]`` float32; returns the merged
+    output ``[..., D]`` (in ``out``'s dtype when given, else the outputs') and the merged float32 lse ``[...]``.
+    Parts whose lse is ``-inf`` contribute nothing; a row with no part seen is zero with lse ``-inf``.
+    """
+    if outputs.dim() < 2 or outputs.shape[:-1] != lses.shape:
+        raise ValueError(f"outputs {tuple(outputs.shape)} must be [N, ..., D] with lses {tuple(lses.shape)} = [N, ...]")
+    if lses.dtype != torch.float32:
+        raise TypeError(f"lses must be float32, got {lses.dtype}")
+    if outputs.device != lses.device:
+        raise ValueError("outputs and lses must be on one device")
+    num_parts, head_dim = outputs.shape[0], outputs.shape[-1]
+    rows_shape = outputs.shape[1:-1]
+    if out is None:
+        out = torch.empty(*rows_shape, head_dim, dtype=outputs.dtype, device=outputs.device)
+    if out_lse is None:
+        out_lse = torch.empty(rows_shape, dtype=torch.float32, device=outputs.device)
+    if out.shape != outputs.shape[1:] or out_lse.shape != rows_shape or out_lse.dtype != torch.float32:
+        raise ValueError(f"out {tuple(out.shape)} / out_lse {tuple(out_lse.shape)} do not match {tuple(outputs.shape[1:])}")
+    num_rows = 1
+    for size in rows_shape:
+        num_rows *= size
+    if num_rows == 0 or head_dim == 0:
+        return out, out_lse
+    if num_parts == 0:
+        out.zero_()
+        out_lse.fill_(float("-inf"))
+        return out, out_lse
+    parts = _row_view(outputs, 1, 1)
+    part_lse = _row_view(lses, 1, 0)
+    out_rows = _row_view(out, 0, 1, writable=True)
+    lse_rows = _row_view(out_lse, 0, 0, writable=True)
+    d_pad = max(16, _next_power_of_2(head_dim))
+    block_r = max(1, min(64, 4096 // d_pad))
+    _merge_lse_kernel[(-(-num_rows // block_r),)](
+        parts, part_lse, out_rows, lse_rows,
+        *parts.stride(), *part_lse.stride(), *out_rows.stride(), *lse_rows.stride(),
+        parts.shape[2], parts.shape[3], num_rows, num_parts,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4,
+    )
+    return out, out_lse

@@ -1,0 +1,327 @@
+"""PLAS block selection: block scores, threshold top-k, forced blocks and tile union fused in one kernel.
+
+Semantics: :func:`hf_sparse.kernels.reference.select_blocks`. One program per (batch, selection row, query
+tile) walks the row's queries (and, with ``head_union``, the query heads of its GQA group) ``BLOCK_Q`` at a
+time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped over the head dim), the
+threshold search per query, the forced diagonal and sink blocks, and an OR into the tile's block mask (a
+scratch row of ``NB_PAD`` bytes). Scores stay in registers: nothing of size ``[B, H, Sq, num_blocks]`` is
+written. The mask is compacted in the same program (prefix sum) into the ascending ``BlockSelection`` row,
+-1 padded, and its count. Decode (one tile of few rows) first computes its logits with programs spread
+over the blocks (``_row_logits_kernel``, a buffer of rows x blocks), since one program per row would read
+the whole summary row through a single SM.
+
+The threshold search is the reference's bisection, done on logits: ``p_j >= f * max(p)`` is
+``l_j >= max(l) + log(f)``, so neither the softmax normaliser nor an exp per block is needed. Results equal
+the reference's except where a probability sits within float rounding of a bisection point.
+
+Tiles are launched in bands by how many blocks their queries can see (causality), each band with the
+smallest power-of-two block width ``NB_PAD``: early tiles of a long prefill do not pay for the whole row.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..selection import BlockSelection
+from . import reference
+
+logger = logging.getLogger(__name__)
+
+#: Widest block row the kernel holds in registers; longer rows fall back to the PyTorch reference.
+MAX_BLOCKS = 2048
+#: Register budget: logits held per program (``BLOCK_Q * NB_PAD``) and per warp, queries per summaries read;
+#: bytes of one summaries chunk of the K loop.
+TUNING = {"logits_per_program": 8192, "logits_per_warp": 1024, "min_block_q": 32, "max_block_q": 64,
+          "max_warps": 8, "chunk_bytes": 32768}
+
+
+@triton.jit
+def _select_blocks_kernel(
+    Q, S, INDICES, COUNTS, KV_START, UNION, LOGITS,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_sb, stride_sh, stride_sn, stride_sd,
+    stride_ib, stride_ih, stride_it, stride_ik,
+    stride_cb, stride_ch, stride_ct,
+    num_queries, key_length, q_offset, num_blocks, scale,
+    top_left, top_right, search_steps, first_tile, band_tiles,
+    SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRECOMPUTED: tl.constexpr,
+):
+    row_id = tl.program_id(0)
+    tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
+    b = row_id // SEL_HEADS
+    sel_head = row_id % SEL_HEADS
+    first_q_head = sel_head * HEADS_PER_ROW
+    kv_head = first_q_head // GROUP
+    kv_start = tl.load(KV_START + b).to(tl.int32)
+    pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
+
+    # Row blocks that exist: j < num_blocks and their first slot kv_start + j * BLOCK_SIZE < key_length.
+    last_block = tl.minimum(num_blocks - 1, tl.where(key_length > kv_start, (key_length - 1 - kv_start) // BLOCK_SIZE, -1))
+    blocks = tl.arange(0, NB_PAD)
+    s_base = S + b.to(tl.int64) * stride_sb + kv_head * stride_sh
+    q_base = Q + b.to(tl.int64) * stride_qb
+    # The tile's union lives in a scratch row (registers hold only the logits): zeroed, OR-ed by stores of 1.
+    union_row = UNION + ((b * SEL_HEADS + sel_head) * band_tiles + tile - first_tile).to(tl.int64) * NB_PAD
+    tl.store(union_row + blocks, tl.zeros([NB_PAD], tl.int8))
+    tl.debug_barrier()
+    for r0 in range(0, ROWS, BLOCK_Q):
+        rows = r0 + tl.arange(0, BLOCK_Q)
+        head = first_q_head + rows // QUERY_TILE
+        query = pad_q + tile * QUERY_TILE + rows % QUERY_TILE
+        real = (rows < ROWS) & (query < num_queries)
+        q_slot = q_offset + query
+        # A query sees blocks 0 .. its own (the rest start after it): one bound per row, -1 for no query.
+        own_block = (q_slot - kv_start) // BLOCK_SIZE
+        row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
+
+        if PRECOMPUTED:
+            # one tile whose rows fit one chunk (decode): _row_logits_kernel wrote them, masked and scaled
+            logits = tl.load(LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD + blocks[None, :])
+        else:
+            # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
+            chunk_last = tl.max(row_last, 0)
+            logits = tl.zeros([BLOCK_Q, NB_PAD], tl.float32)
+            for d0 in range(0, D_PAD, D_CHUNK):
+                offs_d = d0 + tl.arange(0, D_CHUNK)
+                q = tl.load(q_base + head[:, None].to(tl.int64) * stride_qh + query[:, None].to(tl.int64) * stride_qs
+                            + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
+                            mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+                logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
+            logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+        n_available = row_last + 1
+        row_max = tl.max(logits, 1)
+
+        # Bisection on f in [0, 1] (the reference's threshold divided by the row's top probability). Rows
+        # with at most top_right available blocks take them all and do not search. Stops once every row of
+        # the chunk has landed: later steps would not change a landed row.
+        searching = (n_available > top_right).to(tl.int32)
+        found = 1 - searching
+        low = tl.zeros([BLOCK_Q], tl.float32)
+        high = tl.full([BLOCK_Q], 1.0, tl.float32)
+        threshold = tl.zeros([BLOCK_Q], tl.float32)
+        step = 0
+        open_rows = tl.sum(1 - found, 0)
+        while (step < search_steps) & (open_rows > 0):
+            mid = (low + high) * 0.5
+            cut = row_max + tl.log(mid)
+            count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
+            landed = (count >= top_left) & (count <= top_right) & (found == 0)
+            threshold = tl.where(landed, mid, threshold)
+            found = tl.where(landed, 1, found)
+            too_many = count > top_right
+            low = tl.where(too_many & (found == 0), mid, low)
+            high = tl.where((count <= top_right) & (found == 0), mid, high)
+            step += 1
+            open_rows = tl.sum(1 - found, 0)
+        threshold = tl.where(found > 0, threshold, low)
+        # Threshold 0 (never landed, never too many) and rows that do not search: every available block.
+        cut = tl.where((threshold > 0.0) & (searching > 0), row_max + tl.log(tl.maximum(threshold, 1e-30)),
+                       float("-inf"))
+        forced = (blocks[None, :] == own_block[:, None]) | (blocks[None, :] < SINK_BLOCKS)
+        chosen = ((logits >= cut[:, None]) | forced) & (blocks[None, :] <= row_last[:, None])
+        tile_chose = tl.max(chosen.to(tl.int32), 0)
+        tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
+    tl.debug_barrier()
+
+    # Compaction: selected ids first in ascending order, then -1 up to the row's end.
+    union = tl.load(union_row + blocks, cache_modifier=".cg").to(tl.int32)
+    count = tl.sum(union, 0)
+    before = tl.cumsum(union, 0)
+    position = tl.where(union > 0, before - 1, count + blocks - before)
+    value = tl.where(union > 0, blocks, -1)
+    row_ptr = INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih + tile * stride_it
+    tl.store(row_ptr + position * stride_ik, value, mask=position < num_blocks)
+    for p0 in range(NB_PAD, num_blocks, NB_PAD):
+        tl.store(row_ptr + (p0 + blocks) * stride_ik, tl.full([NB_PAD], -1, tl.int32), mask=p0 + blocks < num_blocks)
+    tl.store(COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct, count)
+
+
+def _next_power_of_2(n: int) -> int:
+    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _row_logits_kernel(
+    Q, S, LOGITS, KV_START,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_sb, stride_sh, stride_sn, stride_sd,
+    num_queries, key_length, q_offset, num_blocks, scale,
+    SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Scaled, masked logits of one selection row's queries (a single tile) against NB_CHUNK blocks.
+
+    Decode has few rows and one tile: one program per row would read the whole summary row on one SM, so
+    the summaries are spread over (row, block chunk) programs and the threshold pass reads the logits.
+    """
+    row_id = tl.program_id(0)
+    blocks = tl.program_id(1) * NB_CHUNK + tl.arange(0, NB_CHUNK)
+    b = row_id // SEL_HEADS
+    first_q_head = (row_id % SEL_HEADS) * HEADS_PER_ROW
+    kv_head = first_q_head // GROUP
+    kv_start = tl.load(KV_START + b).to(tl.int32)
+    pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
+    last_block = tl.minimum(num_blocks - 1, tl.where(key_length > kv_start, (key_length - 1 - kv_start) // BLOCK_SIZE, -1))
+    rows = tl.arange(0, BLOCK_Q)
+    head = first_q_head + rows // QUERY_TILE
+    query = pad_q + rows % QUERY_TILE
+    real = (rows < ROWS) & (query < num_queries)
+    row_last = tl.where(real, tl.minimum((q_offset + query - kv_start) // BLOCK_SIZE, last_block), -1)
+    logits = tl.zeros([BLOCK_Q, NB_CHUNK], tl.float32)
+    for d0 in range(0, D_PAD, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh + query[:, None] * stride_qs
+                    + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        s = tl.load(S + b.to(tl.int64) * stride_sb + kv_head * stride_sh + blocks[None, :] * stride_sn
+                    + offs_d[:, None] * stride_sd, mask=(blocks[None, :] <= last_block) & (offs_d[:, None] < HEAD_DIM),
+                    other=0.0)
+        logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
+    logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+    tl.store(LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD + blocks[None, :], logits)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _bands(num_tiles: int, query_tile: int, q_offset: int, block_size: int, num_blocks: int) -> list[tuple[int, int, int]]:
+    """``(first_tile, tiles, nb_pad)``: consecutive tiles grouped by the power-of-two width covering the blocks
+    their queries can see (at most ``(q_offset + (t + 1) * query_tile - 1) // block_size + 1``, any padding)."""
+    widest = max(16, _next_power_of_2(num_blocks))
+    bands, start, width = [], 0, 16
+    while start < num_tiles:
+        if width >= widest:
+            end = num_tiles
+        else:
+            # tile t fits when q_offset + (t + 1) * query_tile - 1 < width * block_size
+            end = min(num_tiles, max(start, (width * block_size - q_offset) // query_tile))
+        if end > start:
+            bands.append((start, end - start, min(width, widest)))
+            start = end
+        width *= 2
+    return bands
+
+
+def select_blocks(
+    query: torch.Tensor,
+    summaries: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int,
+    kv_start: torch.Tensor,
+    block_size: int,
+    top_k: tuple[int, int],
+    query_tile: int,
+    head_union: bool,
+    sink_blocks: int = 1,
+    search_steps: int = 16,
+    key_length: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> BlockSelection:
+    """Triton version of :func:`hf_sparse.kernels.reference.select_blocks` (same arguments and result).
+
+    ``query`` ``[B, Hq, Sq, D]`` and ``summaries`` ``[B, Hkv, num_blocks, D]`` take any strides. ``out``
+    (int32 ``indices [B, H, T, num_blocks]`` and ``counts [B, H, T]``) is filled in place when given. With one
+    query tile spanning the call (decode) nothing is read back to the host.
+    """
+    if query.dim() != 4 or summaries.dim() != 4:
+        raise ValueError(f"query [B,Hq,Sq,D] and summaries [B,Hkv,nb,D] expected, got {tuple(query.shape)}, "
+                         f"{tuple(summaries.shape)}")
+    batch, q_heads, num_queries, head_dim = query.shape
+    kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
+    if summaries.shape[0] != batch or summaries.shape[3] != head_dim or kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"summaries {tuple(summaries.shape)} do not match query {tuple(query.shape)}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not summaries.is_floating_point():
+        raise TypeError(f"query must be float16/bfloat16/float32, got {query.dtype}")
+    if kv_start.shape != (batch,) or kv_start.is_floating_point():
+        raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
+    if query.device != summaries.device:
+        raise ValueError("query and summaries must be on one device")
+    left, right = top_k
+    if not 1 <= left <= right:
+        raise ValueError(f"top_k must satisfy 1 <= left <= right, got {top_k}")
+    if query_tile < 1 or block_size < 1 or search_steps < 0:
+        raise ValueError("query_tile and block_size must be >= 1, search_steps >= 0")
+    if max(16, _next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
+        logger.warning("select_blocks: %d blocks exceed the Triton kernel's %d; using the PyTorch reference",
+                       num_blocks, MAX_BLOCKS)
+        return reference.select_blocks(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                                       block_size=block_size, top_k=top_k, query_tile=query_tile,
+                                       head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps,
+                                       key_length=key_length)
+    key_length = q_offset + num_queries if key_length is None else key_length
+    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
+    sel_heads = kv_heads if head_union else q_heads
+    shape = (batch, sel_heads, num_tiles, num_blocks)
+    if out is None:
+        indices = torch.empty(shape, dtype=torch.int32, device=query.device)
+        counts = torch.empty(shape[:3], dtype=torch.int32, device=query.device)
+    else:
+        indices, counts = out
+        if tuple(indices.shape) != shape or tuple(counts.shape) != shape[:3] \
+                or indices.dtype != torch.int32 or counts.dtype != torch.int32:
+            raise ValueError(f"out must be int32 indices {shape} and counts {shape[:3]}")
+    selection = BlockSelection(indices=indices, counts=counts, block_size=block_size, query_tile=query_tile)
+    if batch * sel_heads * num_tiles == 0:
+        return selection
+    if num_blocks == 0:
+        counts.zero_()
+        return selection
+
+    interpret = _interpreting()
+    if interpret:
+        dot_dtype, precision, elem = tl.float32, "ieee", 4
+    elif query.dtype == torch.float32:
+        dot_dtype, precision, elem = tl.float32, "tf32", 4
+    else:
+        # fp16 operands keep tf32's 10-bit mantissa at half the bytes; summaries are converted once when
+        # several tiles re-read them, in registers otherwise (decode).
+        dot_dtype, precision, elem = tl.float16, "tf32", 2
+        if num_tiles > 1 and summaries.dtype != torch.float16:
+            summaries = summaries.to(torch.float16)
+    elem = max(elem, summaries.element_size())  # the loaded tile, before any conversion, bounds the chunk too
+    d_pad = max(16, _next_power_of_2(head_dim))
+    rows = (q_heads // kv_heads if head_union else 1) * query_tile
+    for first_tile, tiles, nb_pad in _bands(num_tiles, query_tile, q_offset, block_size, num_blocks):
+        # Each chunk of BLOCK_Q queries re-reads the summaries: at least min_block_q queries per read while
+        # the row has at most 1024 blocks (32 x 1024 logits over 8 warps: measured fastest), 16 past that.
+        block_q = TUNING["logits_per_program"] // nb_pad
+        block_q = max(TUNING["min_block_q"] if nb_pad <= 1024 else 16, min(TUNING["max_block_q"], block_q))
+        block_q = max(16, min(block_q, _next_power_of_2(rows)))
+        warps = max(4, min(TUNING["max_warps"], block_q * nb_pad // TUNING["logits_per_warp"]))
+        d_chunk = 16  # the summaries chunk of one dot: bounded registers while loading, shared memory for the dot
+        while d_chunk * 2 <= min(d_pad, TUNING["chunk_bytes"] // (nb_pad * elem)):
+            d_chunk *= 2
+        union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=query.device)
+        args = (num_queries, key_length, q_offset, num_blocks, float(scale))
+        shape_args = dict(SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads,
+                          QUERY_TILE=query_tile, ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size,
+                          HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision)
+        precomputed = num_tiles == 1 and rows <= block_q
+        logits = union  # a placeholder pointer: the kernel reads LOGITS only when PRECOMPUTED
+        if precomputed:
+            nb_chunk = min(nb_pad, 64)
+            logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
+            _row_logits_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
+                query, summaries, logits, kv_start, *query.stride(), *summaries.stride(), *args,
+                NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=4, **shape_args,
+            )
+        _select_blocks_kernel[(batch * sel_heads, tiles)](
+            query, summaries, indices, counts, kv_start, union, logits,
+            *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
+            *args, left, right, search_steps, first_tile, tiles,
+            D_CHUNK=d_chunk, SINK_BLOCKS=sink_blocks, PRECOMPUTED=precomputed, num_warps=warps, **shape_args,
+        )
+    return selection

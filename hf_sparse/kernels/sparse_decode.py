@@ -1,0 +1,179 @@
+"""Head-union sparse decode attention: a few queries per sequence over the key blocks of one selection row.
+
+Semantics: :func:`hf_sparse.kernels.reference.sparse_attention` for a selection with one query tile. One
+program serves every query head that shares the row (all heads of a GQA group when the selection has one row
+per KV head) and every query, packed as the rows of one tile, so each selected K/V block is read once for
+the group. When few (batch, row) pairs would leave the GPU idle, the row's selected blocks are split evenly
+(from the count, on the device: no host sync) over ``splits`` programs, and a second pass merges the
+partial results by log-sum-exp (:mod:`.merge_lse`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.runtime.errors import OutOfResources
+
+from ..selection import BlockSelection
+from .merge_lse import merge_lse
+from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, heads_per_program,
+                             next_power_of_2, wide_offsets)
+
+#: Calls with one query tile and at most this many queries per sequence use this kernel.
+MAX_DECODE_QUERIES = 16
+#: Launch settings (H100 defaults; benchmarks/bench_attention.py can try others).
+TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "max_splits": 64}
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_on, stride_ob, stride_oh, stride_os, stride_od,
+    stride_ln, stride_lb, stride_lh, stride_ls,
+    stride_ib, stride_ih, stride_ik,
+    stride_cb, stride_ch,
+    key_length, q_offset, scale_log2, splits,
+    SEL_HEADS: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr, NUM_QUERIES: tl.constexpr, QUERY_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // (SEL_HEADS * HEAD_GROUPS)
+    head_prog = pid % (SEL_HEADS * HEAD_GROUPS)
+    sel_head = head_prog // HEAD_GROUPS
+    first_head = sel_head * HEADS_PER_ROW + (head_prog % HEAD_GROUPS) * HEADS_PER_PROG
+    kv_head = first_head // GROUP
+    b64 = b.to(tl.int64)
+
+    kv_start = tl.load(KV_START + b).to(tl.int32)
+    pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), NUM_QUERIES)
+    rows = tl.arange(0, BLOCK_M)  # row = head in program * NUM_QUERIES + query
+    head = first_head + rows // NUM_QUERIES
+    query = rows % NUM_QUERIES
+    head_ok = rows < HEADS_PER_PROG * NUM_QUERIES
+    # Queries of the row's single tile: the leading padding queries and any past the tile see no key.
+    row_ok = head_ok & (query >= pad_q) & (query - pad_q < QUERY_TILE)
+    q_slot = q_offset + query
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q = tl.load(Q + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + query[:, None] * stride_qs
+                + offs_d[None, :] * stride_qd, mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch)
+    per_split = (count + splits - 1) // splits
+    first_entry = tl.minimum(split * per_split, count)
+    last_entry = tl.minimum(first_entry + per_split, count)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    acc, l_i, m_i = _attend_entries(
+        acc, l_i, m_i, q, q_slot, row_ok, INDICES + b64 * stride_ib + sel_head * stride_ih, stride_ik,
+        first_entry, last_entry,
+        K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh, V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
+        stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS)
+    out, lse = _finish(acc, l_i, m_i)
+    split64 = split.to(tl.int64)
+    tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
+             + query[:, None] * stride_os + offs_dv[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LSE + split64 * stride_ln + b64 * stride_lb + head * stride_lh + query * stride_ls, lse, mask=head_ok)
+
+
+def default_splits(programs: int, width: int, device: torch.device) -> int:
+    """Splits per selection row: enough programs for ``programs_per_sm`` per SM, at most one per listed block."""
+    if device.type != "cuda":
+        return max(1, min(2, width))  # the interpreter: exercise the merge
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = cdiv(TUNING["programs_per_sm"] * sms, max(1, programs))
+    return max(1, min(wanted, width, TUNING["max_splits"]))
+
+
+def sparse_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selection: BlockSelection,
+    *,
+    scale: float,
+    q_offset: int,
+    kv_start: torch.Tensor,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton decode for a selection with one query tile and at most :data:`MAX_DECODE_QUERIES` queries.
+
+    Same result as :func:`hf_sparse.kernels.reference.sparse_attention`. ``out`` / ``lse`` are written in
+    place when given. No value is read back to the host.
+    """
+    check_attention_inputs(query, key, value, selection, kv_start)
+    batch, q_heads, num_queries, head_dim = query.shape
+    kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
+        raise ValueError(f"sparse_decode needs one query tile and 1..{MAX_DECODE_QUERIES} queries; "
+                         "use sparse_prefill otherwise")
+    if out is None:
+        out = torch.empty(batch, q_heads, num_queries, head_dim_v, dtype=query.dtype, device=query.device)
+    if lse is None:
+        lse = torch.empty(batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
+    if tuple(out.shape) != (batch, q_heads, num_queries, head_dim_v) or tuple(lse.shape) != (batch, q_heads, num_queries):
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
+    if batch * q_heads == 0:
+        return out, lse
+    sel_heads = selection.num_heads
+    heads_per_row = q_heads // sel_heads
+    heads_per_prog = heads_per_program(heads_per_row, num_queries, 128)
+    head_groups = heads_per_row // heads_per_prog
+    rows = max(16, next_power_of_2(heads_per_prog * num_queries))
+    programs = batch * sel_heads * head_groups
+    width = selection.indices.shape[-1]
+    splits = splits or default_splits(programs, width, query.device)
+    dot_fp32, precision = dot_settings(query.dtype)
+    if splits == 1:
+        part_out, part_lse = out[None], lse[None]
+    else:
+        part_out = torch.empty(splits, batch, q_heads, num_queries, head_dim_v, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(splits, batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
+    indices = selection.indices[:, :, 0]
+    counts = selection.counts[:, :, 0]
+    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(TUNING["block_n"], TUNING["num_stages"])]
+    configs += [(64, 2), (32, 2), (32, 1), (16, 1)]
+    for block_n, stages in configs:
+        block_n = min(block_n, selection.block_size)
+        if selection.block_size % block_n:
+            continue
+        try:
+            _sparse_decode_kernel[(programs, splits)](
+                query, key, value, part_out, part_lse, indices, counts, kv_start,
+                *query.stride(), *key.stride(), *value.stride(), *part_out.stride(), *part_lse.stride(),
+                *indices.stride(), *counts.stride(),
+                key_length, q_offset, scale * math.log2(math.e), splits,
+                SEL_HEADS=sel_heads, HEAD_GROUPS=head_groups, HEADS_PER_ROW=heads_per_row,
+                HEADS_PER_PROG=heads_per_prog, GROUP=q_heads // kv_heads, NUM_QUERIES=num_queries,
+                QUERY_TILE=selection.query_tile, BLOCK_M=rows, BLOCK_SIZE=selection.block_size, BLOCK_N=block_n,
+                HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
+                DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
+                num_warps=TUNING["num_warps"], num_stages=stages,
+            )
+            break
+        except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller
+            continue
+    else:
+        raise RuntimeError("no sparse_decode tile configuration fits this GPU's shared memory")
+    if splits == 1:
+        return out, lse
+    return merge_lse(part_out, part_lse, out=out, out_lse=lse)

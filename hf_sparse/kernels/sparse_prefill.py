@@ -1,0 +1,323 @@
+"""Union-sparse prefill attention: each query tile attends to the key blocks its selection row lists.
+
+Semantics: :func:`hf_sparse.kernels.reference.sparse_attention`. One program computes ``BLOCK_M`` rows: the
+queries of one tile (or a part of it) times the query heads that share a selection row and a KV head, so
+with one row per KV head (head union) each selected K/V block is loaded once for the whole GQA group.
+Online softmax in base 2, float32 accumulation. Selected ids are ascending, so the blocks that every query
+of the program sees in full come first (found by a binary search over the row): they run without any
+mask; only the remaining (diagonal, or past the end) blocks evaluate the causal and length masks.
+
+Programs run KV head by KV head, heaviest tile first, the query heads of a tile side by side: the blocks
+that neighbouring tiles and the heads of a GQA group select overlap, and are then read from L2, not HBM.
+Leading padding queries of left-padded rows get zeros and log-sum-exp ``-inf``, as in the reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.runtime.errors import OutOfResources
+
+from ..selection import BlockSelection
+from ._common import dot_settings, interpreting
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
+TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           selection: BlockSelection, kv_start: torch.Tensor) -> None:
+    """Raise a clear error for inputs the attention kernels do not take."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("sparse attention takes BNSD tensors: query [B,Hq,Sq,D], key [B,Hkv,Skv,D], value [B,Hkv,Skv,Dv]")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {tensor.dtype} unsupported: use float16, bfloat16 or float32")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"query and key head dims differ ({query.shape[-1]} vs {key.shape[-1]})")
+    if max(query.shape[-1], value.shape[-1]) > 256:
+        raise ValueError("head dims above 256 are not supported by the Triton kernels; set HF_SPARSE_BACKEND=torch")
+    batch, q_heads = query.shape[:2]
+    kv_heads = key.shape[1]
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    sel_heads = selection.num_heads
+    if sel_heads == 0 or q_heads % sel_heads or sel_heads % kv_heads:
+        raise ValueError(f"selection has {sel_heads} head rows; need a divisor of {q_heads} query heads and a "
+                         f"multiple of {kv_heads} KV heads")
+    if selection.indices.shape[0] != batch or kv_start.shape != (batch,) or kv_start.is_floating_point():
+        raise ValueError("selection / kv_start ([batch] integers) do not match the query")
+    if selection.indices.dtype != torch.int32 or selection.counts.dtype != torch.int32:
+        raise TypeError("selection indices and counts must be int32")
+    if not query.device == key.device == value.device == selection.indices.device == selection.counts.device:
+        raise ValueError("query, key, value and selection must be on one device")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple[int, int, int]]:
+    """``(block_m, block_n, num_stages)`` to try in order: the tuned one, then smaller shared-memory footprints
+    (float32 operands and head dims past 128 need 2-4x the bytes per tile)."""
+    configs = []
+    if not (dot_fp32 or head_dim > 128):
+        configs.append((TUNING["block_m"], TUNING["block_n"], TUNING["num_stages"]))
+    configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
+    return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
+
+
+def heads_per_program(heads_per_row: int, rows_per_head: int, max_rows: int = 128) -> int:
+    """Largest divisor of ``heads_per_row`` whose heads times ``rows_per_head`` rows fit ``max_rows``."""
+    best = 1
+    for heads in range(1, heads_per_row + 1):
+        if heads_per_row % heads == 0 and heads * rows_per_head <= max_rows:
+            best = heads
+    return best
+
+
+@triton.jit
+def _attend_entries(
+    acc, l_i, m_i, q, q_slot, row_ok,
+    idx_ptr, stride_ik, first_entry, last_entry,
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+    kv_start, key_length, scale_log2,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
+
+    Without ``MASKED`` every slot of every listed block must be visible to every row.
+    """
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    for i in range(first_entry, last_entry):
+        block = tl.load(idx_ptr + i * stride_ik)
+        first = kv_start + block * BLOCK_SIZE
+        for n0 in tl.static_range(0, BLOCK_SIZE, BLOCK_N):
+            slots = first + n0 + tl.arange(0, BLOCK_N)
+            if WIDE_OFFSETS:
+                slot_offs = slots.to(tl.int64)
+            else:
+                slot_offs = slots
+            k_ptrs = k_base + slot_offs[None, :] * stride_ks + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + slot_offs[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+            if MASKED:
+                n_ok = slots < key_length
+                k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            elif D_PAD == HEAD_DIM and DV_PAD == HEAD_DIM_V:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            if MASKED:
+                visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _finish(acc, l_i, m_i):
+    """Normalised output and natural-log LSE; rows that saw no key give zeros and ``-inf``."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _sparse_prefill_kernel(
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_ib, stride_ih, stride_it, stride_ik,
+    stride_cb, stride_ch, stride_ct,
+    num_queries, key_length, q_offset, scale_log2, num_tiles, num_slots,
+    KV_HEADS: tl.constexpr, PROGS_PER_KV: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
+    QUERY_TILE: tl.constexpr, QUERIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ENTRY_SEARCH: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
+    # the programs of the group's query heads next to each other (they share K/V blocks through L2).
+    pid = tl.program_id(0)
+    group_prog = pid % PROGS_PER_KV
+    slot = num_slots - 1 - (pid // PROGS_PER_KV) % num_slots
+    kv_row = pid // (PROGS_PER_KV * num_slots)
+    b = kv_row // KV_HEADS
+    head_prog = (kv_row % KV_HEADS) * PROGS_PER_KV + group_prog
+    sel_head = head_prog // HEAD_GROUPS
+    first_head = sel_head * HEADS_PER_ROW + (head_prog % HEAD_GROUPS) * HEADS_PER_PROG
+    kv_head = first_head // GROUP
+    b64 = b.to(tl.int64)
+
+    kv_start = tl.load(KV_START + b).to(tl.int32)
+    pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
+    rows = tl.arange(0, BLOCK_M)
+    head = first_head + rows // QUERIES_PER_PROG
+    head_ok = rows < HEADS_PER_PROG * QUERIES_PER_PROG
+    offs_dv = tl.arange(0, DV_PAD)
+    out_rows = OUT + b64 * stride_ob + head.to(tl.int64) * stride_oh
+    lse_rows = LSE + b64 * stride_lb + head * stride_lh
+
+    # Leading padding queries (no tile covers them): zeros and -inf, chunk `slot` of them.
+    pad_query = slot * QUERIES_PER_PROG + rows % QUERIES_PER_PROG
+    is_pad = head_ok & (pad_query < pad_q)
+    tl.store(out_rows[:, None] + pad_query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
+             tl.zeros([BLOCK_M, DV_PAD], tl.float32).to(OUT.dtype.element_ty),
+             mask=is_pad[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(lse_rows + pad_query * stride_ls, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=is_pad)
+
+    tile = slot // SUBTILES
+    if tile < num_tiles:
+        first_in_tile = (slot % SUBTILES) * QUERIES_PER_PROG
+        in_tile = first_in_tile + rows % QUERIES_PER_PROG
+        query = pad_q + tile * QUERY_TILE + in_tile
+        row_ok = head_ok & (in_tile < QUERY_TILE) & (query < num_queries)
+        q_slot = q_offset + query
+        offs_d = tl.arange(0, D_PAD)
+        q = tl.load(Q + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + query[:, None].to(tl.int64) * stride_qs
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        idx_ptr = INDICES + b64 * stride_ib + sel_head * stride_ih + tile * stride_it
+        count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct)
+        # Blocks ending at or before the program's first query slot (and inside the keys) need no mask.
+        first_slot = q_offset + pad_q + tile * QUERY_TILE + first_in_tile
+        full_limit = tl.minimum(first_slot + 1, key_length) - kv_start  # row-relative slots [0, full_limit)
+        last_full = tl.where(full_limit >= 0, full_limit // BLOCK_SIZE, 0) - 1
+        low = count * 0
+        high = count
+        for _ in tl.static_range(ENTRY_SEARCH):
+            mid = (low + high) // 2
+            probe = tl.load(idx_ptr + mid * stride_ik, mask=low < high, other=0)
+            go_right = (low < high) & (probe <= last_full)
+            go_left = (low < high) & (probe > last_full)
+            low = tl.where(go_right, mid + 1, low)
+            high = tl.where(go_left, mid, high)
+        num_full = low
+
+        k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+        acc, l_i, m_i = _attend_entries(
+            acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, 0, num_full,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS)
+        acc, l_i, m_i = _attend_entries(
+            acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS)
+        out, lse = _finish(acc, l_i, m_i)
+        tl.store(out_rows[:, None] + query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+        tl.store(lse_rows + query * stride_ls, lse, mask=row_ok)
+
+
+def wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether slot offsets (slot index times the sequence stride) may overflow int32."""
+    return any(t.shape[2] * abs(t.stride(2)) >= 2**31 for t in tensors)
+
+
+def sparse_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selection: BlockSelection,
+    *,
+    scale: float,
+    q_offset: int,
+    kv_start: torch.Tensor,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`hf_sparse.kernels.reference.sparse_attention` for any selection.
+
+    Returns ``(out [B, Hq, Sq, Dv]`` in the query dtype, ``lse [B, Hq, Sq]`` float32); ``out`` / ``lse`` are
+    written in place when given (any strides). Every element is written.
+    """
+    check_attention_inputs(query, key, value, selection, kv_start)
+    batch, q_heads, num_queries, head_dim = query.shape
+    kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    if out is None:
+        out = torch.empty(batch, q_heads, num_queries, head_dim_v, dtype=query.dtype, device=query.device)
+    if lse is None:
+        lse = torch.empty(batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
+    if tuple(out.shape) != (batch, q_heads, num_queries, head_dim_v) or tuple(lse.shape) != (batch, q_heads, num_queries):
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
+    if batch * q_heads * num_queries == 0:
+        return out, lse
+    block_size, query_tile = selection.block_size, selection.query_tile
+    sel_heads = selection.num_heads
+    heads_per_row = q_heads // sel_heads
+    dot_fp32, precision = dot_settings(query.dtype)
+    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    width = selection.indices.shape[-1]
+    common = dict(
+        KV_HEADS=kv_heads, HEADS_PER_ROW=heads_per_row, GROUP=q_heads // kv_heads, QUERY_TILE=query_tile,
+        BLOCK_SIZE=block_size, ENTRY_SEARCH=max(1, int(width).bit_length()), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
+        DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
+    )
+    for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
+        heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
+        queries_per_prog = max(1, min(next_power_of_2(query_tile), block_m // heads_per_prog))
+        rows = max(16, next_power_of_2(heads_per_prog * queries_per_prog))
+        subtiles = cdiv(query_tile, queries_per_prog)
+        num_tiles = selection.num_query_tiles
+        num_slots = max(num_tiles * subtiles, cdiv(num_queries, queries_per_prog))
+        head_groups = heads_per_row // heads_per_prog
+        try:
+            _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
+                query, key, value, out, lse, selection.indices, selection.counts, kv_start,
+                *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
+                *selection.indices.stride(), *selection.counts.stride(),
+                num_queries, key_length, q_offset, scale * math.log2(math.e), num_tiles, num_slots,
+                PROGS_PER_KV=sel_heads * head_groups // kv_heads, HEAD_GROUPS=head_groups,
+                HEADS_PER_PROG=heads_per_prog, QUERIES_PER_PROG=queries_per_prog, SUBTILES=subtiles,
+                BLOCK_M=rows, BLOCK_N=block_n, num_warps=TUNING["num_warps"] if rows >= 128 else 4, num_stages=stages,
+                **common,
+            )
+            break
+        except OutOfResources:  # this GPU's shared memory is too small for the tiles: try the next, smaller set
+            continue
+    else:
+        raise RuntimeError("no sparse_prefill tile configuration fits this GPU's shared memory")
+    return out, lse

@@ -1,0 +1,347 @@
+"""Each Triton op against its PyTorch reference on fresh random inputs.
+
+Without CUDA the kernels run in Triton's CPU interpreter at small sizes (block size 16, a few blocks):
+``TRITON_INTERPRET=1 pytest tests/test_kernels.py`` (triton reads the variable when first imported, so it
+must be set for the process; without it and without CUDA this module skips). With CUDA the same tests run
+compiled, and the ``gpu``-marked copies (``pytest -m gpu``) run them at real sizes (block 128, 4K tokens).
+Outputs are poisoned (NaN, or -7 for indices) before every run so an element a kernel fails to write fails.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+from hf_sparse import kernels
+from hf_sparse.kernels import reference as ref
+from hf_sparse.selection import BlockSelection
+
+triton = pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERPRETED
+if not CUDA and not INTERPRETED:
+    # triton decides when it is first imported (transformers imports it) whether to interpret.
+    pytest.skip("the Triton kernels need CUDA or the interpreter: run `TRITON_INTERPRET=1 pytest tests/test_kernels.py`",
+                allow_module_level=True)
+DEVICE = "cuda" if CUDA else "cpu"
+
+# The op modules (`hf_sparse.kernels.<op>` as an attribute is the dispatching function of the same name).
+OPS = {name: importlib.import_module(f"hf_sparse.kernels.{name}")
+       for name in ("block_summaries", "merge_lse", "select_blocks", "sparse_prefill", "sparse_decode")}
+
+# (size id, device, marks): "small" runs everywhere (interpreter on CPU), "large" only with `-m gpu` on CUDA.
+SIZES = [
+    pytest.param("small", id="small"),
+    pytest.param("large", id="large", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Relative error bound ||out - ref|| / ||ref|| per input dtype (the reference accumulates in float32 too).
+REL_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# (batch, q_heads, kv_heads, head_dim, head_dim_v, dtype): batch 1/3, GQA 1/4/8, head dims 64/128, Dk != Dv.
+SHAPES = [
+    (1, 4, 4, 64, 64, "fp32"),
+    (3, 8, 2, 128, 64, "bf16"),
+    (1, 8, 1, 64, 128, "fp16"),
+    (3, 4, 1, 128, 128, "fp32"),
+    (3, 8, 8, 64, 64, "bf16"),
+]
+
+
+def seed(*parts) -> int:
+    """A fixed seed per parametrization (str hashes change between runs)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def dims(size: str) -> dict:
+    """Lengths that are not multiples of the block size, per size class."""
+    if size == "small":
+        return {"length": 83, "block": 16, "tile": 32, "chunk": 37}
+    return {"length": 4096 + 77, "block": 128, "tile": 128, "chunk": 1000}
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.double(), expected.double()
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def left_padding(batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Per-row leading padding: row 0 none, the others random (up to a third of the length)."""
+    pads = torch.randint(0, max(1, length // 3), (batch,), generator=generator)
+    pads[0] = 0
+    return pads
+
+
+def bnsd(batch: int, heads: int, length: int, dim: int, dtype: torch.dtype, layout: str, generator) -> torch.Tensor:
+    """A random BNSD tensor, stored as BNSD or as a transposed BSND buffer (non-contiguous view)."""
+    if layout == "bsnd":
+        data = torch.randn(batch, length, heads, dim, generator=generator).to(dtype)
+        return data.to(DEVICE).transpose(1, 2)
+    return torch.randn(batch, heads, length, dim, generator=generator).to(dtype).to(DEVICE)
+
+
+def random_selection(batch, heads, tiles, num_blocks, block_size, query_tile, generator, density=0.5):
+    """Random ascending selections, some rows empty."""
+    mask = torch.rand(batch, heads, tiles, num_blocks, generator=generator) < density
+    mask[0, 0, 0] = False  # an empty row: zeros and -inf
+    selection = BlockSelection.from_mask(mask, block_size=block_size, query_tile=query_tile)
+    return BlockSelection(selection.indices.to(DEVICE), selection.counts.to(DEVICE), block_size, query_tile)
+
+
+def assert_attention_close(out, lse, expected_out, expected_lse, dtype):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten (NaN-poisoned) elements remain"
+    assert rel_err(out, expected_out) <= REL_TOL[dtype], rel_err(out, expected_out)
+    finite = torch.isfinite(expected_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "log-sum-exp -inf pattern differs"
+    torch.testing.assert_close(lse[finite], expected_lse[finite], atol=1e-3 if dtype != torch.float32 else 1e-4, rtol=1e-4)
+    assert (out[~finite] == 0).all(), "queries that see no key must output zeros"
+
+
+# -- block_summaries ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("batch, heads, dim, dtype, gated, layout", [
+    (1, 2, 64, "fp32", False, "bnsd"),
+    (3, 4, 128, "bf16", True, "bsnd"),
+    (3, 1, 64, "fp16", True, "bnsd"),
+    (1, 8, 128, "bf16", False, "bsnd"),
+])
+def test_block_summaries(size, batch, heads, dim, dtype, gated, layout):
+    gen = torch.Generator().manual_seed(seed(batch, heads, dim, dtype, gated, layout))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    keys = bnsd(batch, heads, length, dim, DTYPES[dtype], layout, gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    gate = torch.randn(heads, block, dim, generator=gen).to(DTYPES[dtype]).to(DEVICE) if gated else None
+    expected = ref.block_summaries(keys, gate, kv_start, block)
+    out = torch.full_like(expected, float("nan"))
+    OPS["block_summaries"].block_summaries(keys, gate, kv_start, block, out=out)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    # the decode update: the last (partial) block only, no host read of kv_start
+    nb = expected.shape[2]
+    last = OPS["block_summaries"].block_summaries(keys, gate, kv_start, block, first_block=nb - 1, num_blocks=1)
+    torch.testing.assert_close(last, expected[:, :, nb - 1:], atol=1e-4, rtol=1e-5)
+
+
+# -- merge_lse ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("parts, dim, dtype", [(1, 64, "fp32"), (3, 128, "bf16"), (5, 80, "fp16")])
+def test_merge_lse(size, parts, dim, dtype):
+    gen = torch.Generator().manual_seed(parts * 1000 + dim)
+    batch, heads, queries = (3, 4, 5) if size == "small" else (8, 32, 16)
+    outputs = torch.randn(parts, batch, heads, queries, dim, generator=gen).to(DTYPES[dtype]).to(DEVICE)
+    lses = (torch.randn(parts, batch, heads, queries, generator=gen) * 4).to(DEVICE)
+    lses[0, 0, 0, 0] = float("-inf")  # one part unseen
+    lses[:, 1 % batch, 0] = float("-inf")  # rows that saw nothing at all
+    expected_out, expected_lse = ref.merge_lse(outputs, lses)
+    # the merged output as a BSND view: strided rows
+    out = torch.full((batch, queries, heads, dim), float("nan"), dtype=DTYPES[dtype], device=DEVICE).transpose(1, 2)
+    out_lse = torch.full((batch, heads, queries), float("nan"), device=DEVICE)
+    OPS["merge_lse"].merge_lse(outputs, lses, out=out, out_lse=out_lse)
+    assert_attention_close(out, out_lse, expected_out, expected_lse, DTYPES[dtype])
+
+
+# -- sparse attention: prefill kernel --------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows, q_offset_kind, layout", [
+    ("q_heads", "prefill", "bnsd"),
+    ("kv_heads", "chunk", "bsnd"),
+])
+def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed(shape, rows, q_offset_kind))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    # "chunk": a later chunk of a chunked prefill (q_offset > 0, Sq not a multiple of the tile)
+    num_queries = length if q_offset_kind == "prefill" else d["chunk"]
+    q_offset = length - num_queries
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, layout, gen)
+    key = bnsd(batch, kv_heads, length, dim, dtype, layout, gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, layout, gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    if q_offset_kind == "chunk":
+        kv_start[-1] = min(length - 1, q_offset + 3)  # a row whose padding reaches into this chunk
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    selection = random_selection(batch, q_heads if rows == "q_heads" else kv_heads, tiles, num_blocks, block, tile, gen)
+    scale = dim ** -0.5
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                      kv_start=kv_start)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    OPS["sparse_prefill"].sparse_prefill(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                         kv_start=kv_start, out=out, lse=lse)
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
+# -- sparse attention: decode kernel ---------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_queries, rows, splits", [(1, "kv_heads", None), (4, "kv_heads", 3), (2, "q_heads", 1)])
+def test_sparse_decode(size, shape, num_queries, rows, splits):
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed(shape, num_queries, rows, splits))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    q_offset = length - num_queries
+    layout = "bsnd" if num_queries == 4 else "bnsd"
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, layout, gen)
+    key = bnsd(batch, kv_heads, length, dim, dtype, layout, gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, layout, gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    selection = random_selection(batch, kv_heads if rows == "kv_heads" else q_heads, 1, num_blocks, block,
+                                 num_queries, gen, density=0.3)
+    scale = dim ** -0.5
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                      kv_start=kv_start)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    OPS["sparse_decode"].sparse_decode(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                       kv_start=kv_start, splits=splits, out=out, lse=lse)
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
+# -- select_blocks ---------------------------------------------------------------------------------------------
+def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k, dtype, gen, two_level):
+    """Queries and summaries whose block scores are far from every bisection point the search visits.
+
+    Each query is a one-hot vector on a random channel; channel ``c`` of the summaries holds a logit profile
+    over blocks: within the first ``top_k[1] + 1`` blocks (all visible to any query that searches at all),
+    a "high" set of size in ``[left, right]`` (``exp(l - max)`` in [0.74, 1]) and otherwise low values
+    (<= 0.15), so the search lands at its first step (f = 1/2). With ``two_level`` a top set smaller than
+    ``left`` (>= 0.8) plus a middle set ([0.3, 0.45]) land at the second step (f = 1/4).
+    """
+    left, right = top_k
+    scale = dim ** -0.5
+    logits = -2.0 - 3.0 * torch.rand(batch, kv_heads, num_blocks, dim, generator=gen)  # e <= 0.135
+    for b in range(batch):
+        for h in range(kv_heads):
+            for c in range(dim):
+                order = torch.randperm(right + 1, generator=gen)
+                if two_level:
+                    top = int(torch.randint(1, left, (1,), generator=gen)) if left > 1 else 0
+                    middle = int(torch.randint(left - top, right - top + 1, (1,), generator=gen))
+                    logits[b, h, order[:top], c] = -0.2 * torch.rand(top, generator=gen)
+                    logits[b, h, order[top:top + middle], c] = -0.8 - 0.4 * torch.rand(middle, generator=gen)
+                    logits[b, h, order[top], c] = 0.0  # the maximum is in the high set
+                else:
+                    high = int(torch.randint(left, right + 1, (1,), generator=gen))
+                    logits[b, h, order[:high], c] = -0.3 * torch.rand(high, generator=gen)
+                    logits[b, h, order[0], c] = 0.0
+    summaries = (logits / scale).to(DEVICE)
+    channel = torch.randint(0, dim, (batch, q_heads, num_queries), generator=gen)
+    query = torch.nn.functional.one_hot(channel, dim).to(dtype).to(DEVICE)
+    return query, summaries, scale
+
+
+def run_select(query, summaries, **kwargs):
+    """The Triton selection into poisoned buffers, checked against the reference's format."""
+    batch, q_heads, num_queries = query.shape[:3]
+    heads = summaries.shape[1] if kwargs["head_union"] else q_heads
+    tiles = ref.num_query_tiles(num_queries, kwargs["q_offset"], kwargs["kv_start"], kwargs["query_tile"])
+    indices = torch.full((batch, heads, tiles, summaries.shape[2]), -7, dtype=torch.int32, device=DEVICE)
+    counts = torch.full((batch, heads, tiles), -7, dtype=torch.int32, device=DEVICE)
+    selection = OPS["select_blocks"].select_blocks(query, summaries, out=(indices, counts), **kwargs)
+    assert selection.indices is indices and selection.counts is counts
+    return selection
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype, two_level", [
+    ("prefill", 1, 4, 4, 64, "fp32", False),
+    ("prefill", 3, 8, 2, 128, "bf16", True),
+    ("prefill_union", 3, 8, 1, 64, "fp16", False),
+    ("decode", 3, 8, 2, 128, "bf16", False),
+    ("decode", 1, 8, 1, 64, "fp32", True),
+])
+def test_select_blocks_exact_on_separated_scores(size, phase, batch, q_heads, kv_heads, dim, dtype, two_level):
+    gen = torch.Generator().manual_seed(seed(phase, batch, q_heads, dim, two_level))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    top_k = (3, 5) if size == "small" else (8, 12)
+    num_queries = length if phase.startswith("prefill") else 3
+    q_offset = length - num_queries
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    query, summaries, scale = separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k,
+                                                DTYPES[dtype], gen, two_level)
+    kwargs = dict(scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block, top_k=top_k,
+                  query_tile=tile if phase.startswith("prefill") else num_queries, head_union=phase != "prefill",
+                  sink_blocks=1 if size == "small" else 2, key_length=length)
+    expected = ref.select_blocks(query, summaries, **kwargs)
+    selection = run_select(query, summaries, **kwargs)
+    assert torch.equal(selection.counts, expected.counts)
+    assert torch.equal(selection.indices, expected.indices)
+    assert (selection.counts > 0).any()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
+    ("prefill", 3, 8, 2, 128, "bf16"),
+    ("prefill", 1, 8, 1, 64, "fp32"),
+    ("decode", 3, 8, 2, 64, "fp16"),
+])
+def test_select_blocks_random_scores_bounded_mismatch(size, phase, batch, q_heads, kv_heads, dim, dtype):
+    """Random scores: selections may differ only where a score sits within rounding of a bisection point."""
+    gen = torch.Generator().manual_seed(seed(phase, batch, q_heads, dim, dtype))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    top_k = (2, 3) if size == "small" else (6, 10)
+    num_queries = length if phase == "prefill" else 1
+    query = torch.randn(batch, q_heads, num_queries, dim, generator=gen).to(DTYPES[dtype]).to(DEVICE)
+    keys = torch.randn(batch, kv_heads, length, dim, generator=gen).to(DEVICE)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    summaries = ref.block_summaries(keys, None, kv_start, block) * 4.0  # spread the scores
+    kwargs = dict(scale=dim ** -0.5, q_offset=length - num_queries, kv_start=kv_start, block_size=block,
+                  top_k=top_k, query_tile=tile if phase == "prefill" else 1, head_union=phase == "decode",
+                  key_length=length)
+    num_blocks = summaries.shape[2]
+    expected = ref.select_blocks(query, summaries, **kwargs).to_mask(num_blocks)
+    selection = run_select(query, summaries, **kwargs)
+    got = selection.to_mask(num_blocks)
+    # format: ascending ids, -1 padding, counts agree with the ids
+    width = torch.arange(num_blocks, device=DEVICE)
+    valid = width < selection.counts[..., None]
+    assert (selection.indices[~valid] == -1).all() and (selection.indices[valid] >= 0).all()
+    ids = selection.indices.masked_fill(~valid, num_blocks).double()
+    assert (ids[..., 1:] > ids[..., :-1]).logical_or(~valid[..., 1:]).all()
+    differing = (got ^ expected).sum().item()
+    union = (got | expected).sum().item()
+    bound = 0.02 if DEVICE == "cpu" else 0.1
+    assert union > 0 and differing / union <= bound, f"{differing} of {union} selected blocks differ"
+
+
+# -- dispatch ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_queries", [3, 70])
+def test_dispatch_runs_triton_and_matches_reference(monkeypatch, num_queries):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(num_queries)
+    length, block = 83, 16
+    query = torch.randn(2, 4, num_queries, 32, generator=gen).to(DEVICE)
+    key = torch.randn(2, 2, length, 32, generator=gen).to(DEVICE)
+    value = torch.randn(2, 2, length, 32, generator=gen).to(DEVICE)
+    kv_start = torch.tensor([0, 5], device=DEVICE)
+    assert kernels.backend_for(query) == "triton"
+    summaries = kernels.block_summaries(key, None, kv_start, block)
+    torch.testing.assert_close(summaries, ref.block_summaries(key, None, kv_start, block), atol=1e-4, rtol=1e-5)
+    kwargs = dict(scale=32 ** -0.5, q_offset=length - num_queries, kv_start=kv_start, block_size=block,
+                  top_k=(1000, 1000), query_tile=num_queries if num_queries < 16 else 32,
+                  head_union=num_queries < 16)
+    selection = kernels.select_blocks(query, summaries, **kwargs)
+    expected = ref.select_blocks(query, summaries, **kwargs)
+    assert torch.equal(selection.indices, expected.indices)
+    out, lse = kernels.sparse_attention(query, key, value, selection, scale=kwargs["scale"],
+                                        q_offset=kwargs["q_offset"], kv_start=kv_start)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, expected, scale=kwargs["scale"],
+                                                      q_offset=kwargs["q_offset"], kv_start=kv_start)
+    assert_attention_close(out, lse, expected_out, expected_lse, torch.float32)
+    merged, merged_lse = kernels.merge_lse(torch.stack([out, out]), torch.stack([lse, lse]))
+    torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(merged_lse[finite], lse[finite] + math.log(2), atol=1e-5, rtol=1e-5)

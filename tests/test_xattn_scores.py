@@ -1,0 +1,64 @@
+"""The Triton XAttention scoring kernel against ``reference.antidiagonal_block_scores``.
+
+Like tests/test_kernels.py: without CUDA it runs in Triton's CPU interpreter at tiny sizes
+(``TRITON_INTERPRET=1 pytest tests/test_xattn_scores.py``) and skips otherwise; ``-m gpu`` runs a 4K case on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_sparse.kernels import reference as ref
+
+pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERPRETED
+if not CUDA and not INTERPRETED:
+    pytest.skip("needs CUDA or the interpreter: run `TRITON_INTERPRET=1 pytest tests/test_xattn_scores.py`",
+                allow_module_level=True)
+DEVICE = "cuda" if CUDA else "cpu"
+
+from hf_sparse.kernels import xattn_scores  # noqa: E402  (imports triton.language)
+
+# Absolute bound on a block mass (masses are sums of probabilities, up to block_size / stride).
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, stride, q_offset, dtype", [
+    (4, 2, 16, 4, 0, torch.float32),
+    (4, 4, 32, 1, 21, torch.float32),
+    (6, 2, 64, 8, 0, torch.float16),
+    (4, 1, 32, 2, 10, torch.bfloat16),
+])
+@pytest.mark.parametrize("rows, columns", [(64, 128), (16, 16)])  # (16, 16): several programs and key steps
+def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns,
+                                      monkeypatch):
+    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
+    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset)
+    length = 83  # not a multiple of the block size or the stride
+    query = torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator).to(DEVICE, dtype)
+    # Key as a transposed BSND buffer: the kernel must honour strides.
+    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
+                  block_size=16, stride=stride)
+    expected = ref.antidiagonal_block_scores(query, key, **kwargs)
+    out = xattn_scores.antidiagonal_block_scores(query, key, **kwargs)
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+    part = xattn_scores.antidiagonal_block_scores(query, key, **kwargs, first_tile=2, num_tiles=2)
+    torch.testing.assert_close(part, expected[:, :, 2:4], atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_match_reference_4k(dtype):
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 8, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
+    key = torch.randn(1, 2, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
+    kwargs = dict(scale=128**-0.5, q_offset=0, kv_start=torch.tensor([0], device=DEVICE), block_size=128, stride=8)
+    expected = ref.antidiagonal_block_scores(query, key, **kwargs, key_chunk=1024)
+    out = xattn_scores.antidiagonal_block_scores(query, key, **kwargs)
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
