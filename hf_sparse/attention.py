@@ -229,8 +229,3 @@ def sparse_attention_forward(
         attended, causal = _block_counts(selection, num_queries, q_offset, kv_start)
         _record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, kv_start)))
     return output.transpose(1, 2).contiguous(), None
-
-
-def plas_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """attn_implementation="plas"."""
-    return sparse_attention_forward(module, query, key, value, attention_mask, method="plas", **kwargs)

@@ -209,5 +209,6 @@ def _block_size_from_config(config: Any) -> int:
 
     stored = getattr(config, CONFIG_KEY, None) if config is not None else None
     if stored:
-        return config_from_dict(stored).block_size
+        method_config = config_from_dict(stored)
+        return getattr(method_config, "kernel_block_size", method_config.block_size)
     return 128

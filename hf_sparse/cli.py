@@ -10,9 +10,21 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import PLASConfig
+from .config import CONFIG_CLASSES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _parse_scalar(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _parse_value(text: str) -> Any:
@@ -20,23 +32,26 @@ def _parse_value(text: str) -> Any:
         return None
     if "," in text:
         return tuple(int(part) for part in text.split(",") if part)
-    return int(text)
+    return _parse_scalar(text)
 
 
-def config_from_overrides(overrides: Sequence[str]) -> PLASConfig:
-    """``PLASConfig`` from ``field=value`` strings (``prefill_top_k=4,6``, ``dense_below=none``)."""
-    fields = {f.name for f in dataclasses.fields(PLASConfig) if f.init}
+def config_from_overrides(overrides: Sequence[str], method: str = "plas") -> Any:
+    """The method's config (``PLASConfig`` for "plas", …) from ``field=value`` strings (``prefill_top_k=4,6``,
+    ``threshold=0.9``, ``dense_below=none``)."""
+    cls = CONFIG_CLASSES[method]
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     values: dict[str, Any] = {}
     for item in overrides:
         name, sep, raw = item.partition("=")
         if not sep or name not in fields:
-            raise SystemExit(f"--set expects field=value with a PLASConfig field ({', '.join(sorted(fields))}); got {item!r}")
+            raise SystemExit(f"--set expects field=value with a {cls.__name__} field ({', '.join(sorted(fields))}); "
+                             f"got {item!r}")
         try:
             values[name] = _parse_value(raw)
         except ValueError:
             raise SystemExit(f"--set {name}: cannot parse {raw!r} (integers, comma-separated pairs or 'none')") from None
     try:
-        return PLASConfig(**values)
+        return cls(**values)
     except ValueError as error:
         raise SystemExit(f"invalid configuration: {error}") from None
 
@@ -65,7 +80,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt-file", help="text file with the prompt / input")
     source.add_argument("--prompt", help="the prompt itself")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="PLASConfig override")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override of the method's config (PLASConfig, XAttnConfig, StarConfig)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default=None)
 
@@ -73,9 +89,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from . import configure, record_sparsity
 
-    config = config_from_overrides(args.set)
+    sparse = args.method in CONFIG_CLASSES
+    config = config_from_overrides(args.set, args.method) if sparse else None
     model, tokenizer, device = _load(args.model, args.dtype, args.device)
-    if args.method == "plas":
+    if sparse:
         configure(model, config)
     text = _read_text(args)
     if args.chat:
@@ -87,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     print(tokenizer.decode(output[0, inputs.input_ids.shape[1]:], skip_special_tokens=True))
     summary = f"[{args.method}] {inputs.input_ids.shape[1]} prompt tokens, {elapsed:.2f} s"
-    if args.method == "plas":
+    if sparse:
         summary += f", density prefill {recorder.density('prefill'):.3f} decode {recorder.density('decode'):.3f}"
         dense = recorder.dense_layers()
         if dense:
@@ -99,7 +116,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from .eval import fidelity
 
-    config = config_from_overrides(args.set)
+    config = config_from_overrides(args.set, args.method)
     model, tokenizer, device = _load(args.model, args.dtype, args.device)
     ids = tokenizer(_read_text(args), return_tensors="pt").input_ids
     if args.tokens:
@@ -117,22 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate text with a sparse (or dense) attention method")
     _add_common(generate)
-    generate.add_argument("--method", choices=["plas", "sdpa"], default="plas")
+    generate.add_argument("--method", choices=[*CONFIG_CLASSES, "sdpa"], default="plas")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.set_defaults(run=_generate)
     evaluate = commands.add_parser("eval", help="fidelity of sparse vs dense attention on one input")
     _add_common(evaluate)
+    evaluate.add_argument("--method", choices=list(CONFIG_CLASSES), default="plas")
     evaluate.add_argument("--tokens", type=int, default=0, help="truncate the input to this many tokens")
     evaluate.add_argument("--last-n", type=int, default=256, help="positions scored for KL / top-1")
     evaluate.add_argument("--no-recall", action="store_true", help="skip the (slow) attention-recall pass")
     evaluate.set_defaults(run=_eval)
-    try:
-        from .training import add_train_gates_command
-    except ImportError:
-        pass
-    else:
-        add_train_gates_command(commands)
+    from .training import add_train_gates_command
+
+    add_train_gates_command(commands)
     return parser
 
 

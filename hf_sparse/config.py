@@ -150,8 +150,210 @@ class PLASConfig:
         return cls(block_size=block_size, prefill_top_k=prefill, decode_top_k=decode, dense_below=dense_below)
 
 
+@dataclass
+class XAttnConfig:
+    """XAttention sparse attention settings (antidiagonal block scoring, cumulative-mass threshold).
+
+    Attributes:
+        block_size: tokens per KV block and per prefill query tile (a power of two, >= 16).
+        stride: antidiagonal stride ``S``: scoring reads every ``S``-th antidiagonal of each ``S x S`` tile, at
+            about ``1/S`` of the dense score cost (a power of two dividing ``block_size``; 1 scores exactly).
+        threshold: per query tile (prefill) or query (decode), the smallest set of key blocks whose estimated
+            attention mass reaches this fraction is kept, in (0, 1]; 1.0 keeps every causal block.
+        decode_threshold: the decode phase's threshold (on block-summary scores), in (0, 1]; ``None`` = ``threshold``.
+        chunk_size: key tokens scored at once in prefill (a multiple of ``block_size``); longer keys use a
+            two-pass (log-sum-exp, then mass) softmax over key chunks.
+        gqa_reduce: how the query heads of a GQA group combine their block masks: ``"any"`` keeps a block any
+            head selected, ``"vote"`` keeps it when more than ``vote_ratio`` of the heads selected it.
+        vote_ratio: fraction of a group's heads a block needs with ``gqa_reduce="vote"``, in [0, 1).
+        keep_sink: always keep each row's first block.
+        keep_diagonal: always keep the block(s) holding the tile's (or decode query's) own tokens.
+        dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
+        dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
+            ``8 * block_size``; ``0`` forces the sparse path; a pair sets (prefill, decode) separately.
+        prefill_chunk: query tokens scored at once in prefill (a multiple of ``block_size``; ``None`` = all),
+            which bounds the scoring pass's memory; selections equal the unchunked run.
+    """
+
+    block_size: int = 128
+    stride: int = 8
+    threshold: float = 0.9
+    decode_threshold: float | None = None
+    chunk_size: int = 16384
+    gqa_reduce: str = "any"
+    vote_ratio: float = 0.5
+    keep_sink: bool = True
+    keep_diagonal: bool = True
+    dense_layers: tuple[int, ...] = (-1,)
+    dense_below: int | tuple[int, int] | None = None
+    prefill_chunk: int | None = 16384
+    method: str = field(default="xattn", init=False)
+
+    def __post_init__(self) -> None:
+        block_size = _as_int("block_size", self.block_size)
+        if not _is_power_of_two(block_size) or block_size < 16:
+            raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+        stride = _as_int("stride", self.stride)
+        if not _is_power_of_two(stride) or stride > block_size:
+            raise ValueError(f"stride must be a power of two in [1, block_size={block_size}], got {stride}")
+        for name in ("threshold", "decode_threshold"):
+            value = getattr(self, name)
+            if value is None and name == "decode_threshold":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+            setattr(self, name, float(value))
+        chunk_size = _as_int("chunk_size", self.chunk_size)
+        if chunk_size < block_size or chunk_size % block_size:
+            raise ValueError(f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size}")
+        if self.gqa_reduce not in ("any", "vote"):
+            raise ValueError(f"gqa_reduce must be 'any' or 'vote', got {self.gqa_reduce!r}")
+        if isinstance(self.vote_ratio, bool) or not isinstance(self.vote_ratio, (int, float)) \
+                or not 0.0 <= self.vote_ratio < 1.0:
+            raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
+        self.vote_ratio = float(self.vote_ratio)
+        for name in ("keep_sink", "keep_diagonal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.dense_layers, (tuple, list)):
+            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
+        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
+        if self.dense_below is not None:
+            if isinstance(self.dense_below, (tuple, list)):
+                if len(self.dense_below) != 2:
+                    raise ValueError(f"dense_below must be an int, a (prefill, decode) pair or None, got {self.dense_below!r}")
+                self.dense_below = tuple(_as_int("dense_below", v) for v in self.dense_below)
+                values = self.dense_below
+            else:
+                values = (_as_int("dense_below", self.dense_below),)
+            if min(values) < 0:
+                raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        if self.prefill_chunk is not None:
+            prefill_chunk = _as_int("prefill_chunk", self.prefill_chunk)
+            if prefill_chunk < block_size or prefill_chunk % block_size:
+                raise ValueError(
+                    f"prefill_chunk must be None or a positive multiple of block_size={block_size}, got {prefill_chunk}"
+                )
+
+    def mass_threshold(self, phase: str) -> float:
+        """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""
+        if phase == "decode" and self.decode_threshold is not None:
+            return self.decode_threshold
+        return self.threshold
+
+    def dense_threshold(self, phase: str) -> int:
+        """Sequence length below which the phase (``"prefill"`` or ``"decode"``) runs dense."""
+        if self.dense_below is None:
+            return 8 * self.block_size
+        if isinstance(self.dense_below, tuple):
+            return self.dense_below[0 if phase == "prefill" else 1]
+        return self.dense_below
+
+    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
+        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (the form stored in ``model.config``)."""
+        data = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "XAttnConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        data = dict(data)
+        method = data.pop("method", "xattn")
+        if method != "xattn":
+            raise ValueError(f"not an XAttention configuration: method={method!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown XAttnConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass
+class StarConfig:
+    """Star Attention settings (two phases: blockwise context encoding with an anchor, then global attention).
+
+    Attributes:
+        block_size: context tokens per block (a multiple of 16). Block ``i`` attends causally to itself and to
+            the anchor; in distributed runs whole blocks are sharded over ranks.
+        anchor_size: leading context tokens (the anchor, with their true positions) every block attends besides
+            itself; must divide ``block_size``. ``None`` means ``block_size`` (the paper's default).
+        query_tokens: the rule for a plain ``generate()``/forward without a past: the last ``query_tokens`` prompt
+            tokens are the query (global attention), the rest is context. ``hf_sparse.star.generate`` takes the
+            split explicitly and ignores this field.
+        dense_layers: layer indices that always run dense (single process only); negative values count from the
+            end (-1 = last).
+        dense_below: contexts shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
+            ``block_size``: a context of one block is exactly dense anyway.
+    """
+
+    block_size: int = 4096
+    anchor_size: int | None = None
+    query_tokens: int = 1
+    dense_layers: tuple[int, ...] = ()
+    dense_below: int | None = None
+    method: str = field(default="star", init=False)
+
+    def __post_init__(self) -> None:
+        block_size = _as_int("block_size", self.block_size)
+        if block_size < 16 or block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+        if self.anchor_size is None:
+            self.anchor_size = block_size
+        anchor_size = _as_int("anchor_size", self.anchor_size)
+        if anchor_size < 16 or anchor_size % 16 or block_size % anchor_size:
+            raise ValueError(
+                f"anchor_size must be a multiple of 16 that divides block_size ({block_size}), got {anchor_size}"
+            )
+        if _as_int("query_tokens", self.query_tokens) < 0:
+            raise ValueError(f"query_tokens must be >= 0, got {self.query_tokens}")
+        if not isinstance(self.dense_layers, (tuple, list)):
+            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
+        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
+        if self.dense_below is not None and _as_int("dense_below", self.dense_below) < 0:
+            raise ValueError(f"dense_below must be >= 0 or None, got {self.dense_below!r}")
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Key-block granularity of the kernels: the largest power of two <= 128 dividing ``anchor_size``
+        (so the anchor and every context block are whole kernel blocks)."""
+        size = 128
+        while self.anchor_size % size:
+            size //= 2
+        return size
+
+    def dense_threshold(self, phase: str) -> int:
+        """Context length below which attention runs dense (the same for every phase)."""
+        return self.block_size if self.dense_below is None else self.dense_below
+
+    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
+        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (the form stored in ``model.config``)."""
+        data = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StarConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        data = dict(data)
+        method = data.pop("method", "star")
+        if method != "star":
+            raise ValueError(f"not a Star Attention configuration: method={method!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown StarConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
 #: Configuration class of each method name (the attn_implementation it registers).
-CONFIG_CLASSES: dict[str, type] = {"plas": PLASConfig}
+CONFIG_CLASSES: dict[str, type] = {"plas": PLASConfig, "xattn": XAttnConfig, "star": StarConfig}
 
 
 def config_from_dict(data: Mapping[str, Any], default_method: str = "plas") -> Any:

@@ -53,7 +53,7 @@ class FidelityReport:
 
 
 @contextlib.contextmanager
-def _attention(model: Any, implementation: str, config: PLASConfig | None = None) -> Iterator[None]:
+def _attention(model: Any, implementation: str, config: Any = None) -> Iterator[None]:
     previous_impl = model.config._attn_implementation
     previous_cfg = getattr(model.config, CONFIG_KEY, None)
     try:
@@ -111,9 +111,10 @@ def _layer_recall(record: LayerRecord) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def fidelity(model: Any, input_ids: torch.Tensor, config: PLASConfig | None = None, last_n: int = 256,
+def fidelity(model: Any, input_ids: torch.Tensor, config: Any = None, last_n: int = 256,
              attention_mask: torch.Tensor | None = None, with_recall: bool = True) -> FidelityReport:
-    """Compare the model's next-token distributions with ``config``'s sparse attention against dense sdpa.
+    """Compare the model's next-token distributions with ``config``'s sparse attention (a PLASConfig, the
+    default, XAttnConfig or StarConfig) against dense sdpa.
 
     KL and top-1 agreement are taken over the last ``last_n`` positions of every row; density and recall
     over all sparse prefill layers (``with_recall=False`` skips the dense attention pass that recall
@@ -123,7 +124,7 @@ def fidelity(model: Any, input_ids: torch.Tensor, config: PLASConfig | None = No
     positions = min(last_n, input_ids.shape[1])
     with _attention(model, "sdpa"):
         dense_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
-    with _attention(model, "plas", config), record_sparsity(keep_inputs=True) as recorder:
+    with _attention(model, config.method, config), record_sparsity(keep_inputs=True) as recorder:
         sparse_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
     dense_lp = torch.log_softmax(dense_logits[:, -positions:], dim=-1)
     sparse_lp = torch.log_softmax(sparse_logits[:, -positions:], dim=-1)

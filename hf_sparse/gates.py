@@ -1,14 +1,58 @@
-"""PLAS gate weights: the per-layer ``[kv_heads, block_size, head_dim]`` weights that compress key blocks."""
+"""PLAS gate weights: the per-layer ``[kv_heads, block_size, head_dim]`` weights that compress key blocks.
+
+The compressed key of block ``j`` is ``sum_i K[j * block_size + i] * W[h, i, :]``; mean pooling is the constant
+case ``W = 1 / block_size``, used for every layer that has no gate attached. Gates live outside the model's state
+dict (so ``save_pretrained`` and weight hashes do not see them) and travel as one safetensors file,
+:data:`GATE_FILENAME`, beside the model's weights. The file format is documented in ``docs/gates.md``:
+
+* one float32 tensor per gated layer, named ``layers.{i}.gate_weight`` (:func:`gate_tensor_name`);
+* string metadata ``format``, ``format_version``, ``block_size``, ``num_layers``, ``kv_heads``, ``head_dim``,
+  ``layers`` and ``base_model``.
+
+Loading never unpickles: only ``safetensors`` is read.
+"""
 from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
+from .config import CONFIG_KEY, PLASConfig, config_from_dict
+
+logger = logging.getLogger(__name__)
+
 _GATE_ATTR = "_hf_sparse_gate_weight"
+
+#: Default file name (FastDeploy's), looked up in the model's folder or Hub repo.
+GATE_FILENAME = "plas_attention_mlp_weight.safetensors"
+#: Value of the ``format`` metadata key.
+FORMAT_NAME = "hf_sparse.plas_gates"
+#: Newest file format version this code reads and the one it writes.
+FORMAT_VERSION = 1
+_TENSOR_NAME = "layers.{layer}.gate_weight"
+_TENSOR_PATTERN = re.compile(r"^layers\.(\d+)\.gate_weight$")
 
 
 def get_gate_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The gate weight attached to an attention module, or ``None`` (mean pooling)."""
-    return module.__dict__.get(_GATE_ATTR)
+    """The gate weight attached to an attention module, or ``None`` (mean pooling).
+
+    A gate that is not a trainable parameter follows the module's device: after ``model.to(device)`` it is moved
+    once, on first use, and stored again (so repeated calls return the same tensor object).
+    """
+    weight = module.__dict__.get(_GATE_ATTR)
+    if weight is None or isinstance(weight, torch.nn.Parameter):
+        return weight
+    parameter = next(module.parameters(), None)
+    if parameter is not None and parameter.device != weight.device and parameter.device.type != "meta":
+        weight = weight.to(parameter.device)
+        module.__dict__[_GATE_ATTR] = weight
+    return weight
 
 
 def set_gate_weight(module: torch.nn.Module, weight: torch.Tensor | None) -> None:
@@ -17,3 +61,403 @@ def set_gate_weight(module: torch.nn.Module, weight: torch.Tensor | None) -> Non
         module.__dict__.pop(_GATE_ATTR, None)
     else:
         module.__dict__[_GATE_ATTR] = weight
+
+
+class GateFileError(ValueError):
+    """A gate file (or Hub location) that cannot be used with the model; the message names the file and why."""
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """What a model expects of its gates: one ``[kv_heads, block_size, head_dim]`` tensor per gated layer."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    gated_layers: tuple[int, ...]
+    base_model: str
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's gate."""
+        return (self.kv_heads, self.block_size, self.head_dim)
+
+
+def gate_tensor_name(layer_idx: int) -> str:
+    """Name of layer ``layer_idx``'s tensor in a gate file."""
+    return _TENSOR_NAME.format(layer=layer_idx)
+
+
+def model_plas_config(model: Any) -> PLASConfig:
+    """The PLAS configuration stored in ``model.config`` under ``CONFIG_KEY``, else ``PLASConfig()`` defaults."""
+    config = model.config
+    stored = getattr(config, CONFIG_KEY, None)
+    if stored is None and hasattr(config, "get_text_config"):
+        stored = getattr(config.get_text_config(decoder=True), CONFIG_KEY, None)
+    if isinstance(stored, PLASConfig):
+        return stored
+    if isinstance(stored, Mapping):
+        parsed = config_from_dict(stored)
+        if isinstance(parsed, PLASConfig):
+            return parsed
+    return PLASConfig()
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The decoder's attention modules by ``layer_idx`` (the modules the attention function receives)."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            continue
+        if "Attention" not in type(module).__name__ or layer_idx in found:
+            continue  # decoder layers may carry layer_idx too; the outermost attention module wins
+        found[layer_idx] = module
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx attribute")
+    return dict(sorted(found.items()))
+
+
+def gate_spec(model: Any, block_size: int | None = None) -> GateSpec:
+    """The gate shape and gated layers of ``model`` (block size from its PLAS configuration unless given)."""
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    num_layers = int(text.num_hidden_layers)
+    q_heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or q_heads)
+    modules = attention_modules(model)
+    head_dim = getattr(next(iter(modules.values())), "head_dim", None)
+    head_dim = int(head_dim or getattr(text, "head_dim", None) or text.hidden_size // q_heads)
+    plas = model_plas_config(model)
+    block_size = plas.block_size if block_size is None else block_size
+    gated = tuple(i for i in range(num_layers) if not plas.is_dense_layer(i, num_layers))
+    base_model = str(getattr(model.config, "_name_or_path", "") or "")
+    return GateSpec(num_layers, kv_heads, head_dim, block_size, gated, base_model)
+
+
+def get_gates(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The gates attached to ``model``'s attention modules, by layer index."""
+    gates = {}
+    for layer_idx, module in attention_modules(model).items():
+        weight = get_gate_weight(module)
+        if weight is not None:
+            gates[layer_idx] = weight
+    return gates
+
+
+def set_gates(model: torch.nn.Module, gates: Mapping[int, torch.Tensor] | None) -> None:
+    """Attach ``gates`` (layer index -> ``[kv_heads, block_size, head_dim]``) as float32 on each module's device;
+    ``None`` removes every gate (mean pooling). Layers not in ``gates`` are left as they are."""
+    modules = attention_modules(model)
+    if gates is None:
+        for module in modules.values():
+            set_gate_weight(module, None)
+        return
+    unknown = sorted(set(gates) - set(modules))
+    if unknown:
+        raise ValueError(f"no attention module for layer(s) {unknown}; the model has layers {sorted(modules)}")
+    for layer_idx, weight in gates.items():
+        module = modules[layer_idx]
+        parameter = next(module.parameters(), None)
+        device = parameter.device if parameter is not None and parameter.device.type != "meta" else weight.device
+        set_gate_weight(module, weight.detach().to(device=device, dtype=torch.float32))
+
+
+def mean_pooling_gates(model: Any, block_size: int | None = None) -> dict[int, torch.Tensor]:
+    """Gates equal to mean pooling over full blocks (``1 / block_size``) for every gated layer (float32, CPU)."""
+    spec = gate_spec(model, block_size)
+    return {i: torch.full(spec.shape, 1.0 / spec.block_size) for i in spec.gated_layers}
+
+
+# -- file format ----------------------------------------------------------------------------------------------
+def _metadata(spec: GateSpec, layers: list[int]) -> dict[str, str]:
+    from . import __version__
+
+    return {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "block_size": str(spec.block_size),
+        "num_layers": str(spec.num_layers),
+        "kv_heads": str(spec.kv_heads),
+        "head_dim": str(spec.head_dim),
+        "layers": ",".join(str(i) for i in layers),
+        "base_model": spec.base_model,
+        "hf_sparse_version": __version__,
+    }
+
+
+def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, spec: GateSpec) -> Path:
+    """Write ``gates`` to ``path`` atomically (a temporary file in the same folder, then ``os.replace``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    layers = sorted(gates)
+    for layer_idx in layers:
+        if tuple(gates[layer_idx].shape) != spec.shape:
+            raise ValueError(f"layer {layer_idx}: gate shape {tuple(gates[layer_idx].shape)} != {spec.shape}")
+    tensors = {gate_tensor_name(i): gates[i].detach().to("cpu", torch.float32).contiguous().clone() for i in layers}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, temp, metadata=_metadata(spec, layers))
+        with open(temp, "rb") as stream:
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+    return path
+
+
+def _expected_names(spec: GateSpec, tensor_names: Mapping[int, str] | str | None) -> dict[str, int]:
+    """File tensor name -> layer index, for every layer of the model."""
+    if tensor_names is None:
+        tensor_names = _TENSOR_NAME
+    if isinstance(tensor_names, str):
+        if "{layer}" not in tensor_names:
+            raise ValueError(f"tensor_names format {tensor_names!r} must contain '{{layer}}'")
+        return {tensor_names.format(layer=i): i for i in range(spec.num_layers)}
+    return {name: int(layer) for layer, name in tensor_names.items()}
+
+
+def read_gate_file(
+    path: str | os.PathLike, spec: GateSpec, tensor_names: Mapping[int, str] | str | None = None
+) -> dict[int, torch.Tensor]:
+    """Read and validate a gate file against ``spec``; raises :class:`GateFileError` naming the file and the problem.
+
+    ``tensor_names`` maps layer index -> tensor name (or is a format string with ``{layer}``), for files written
+    by other tools; by default the names are ``layers.{i}.gate_weight``. Metadata is checked when present (files
+    without ours are validated from the tensor shapes alone).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    expected = _expected_names(spec, tensor_names)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            names = list(handle.keys())
+            _check_metadata(path, metadata, spec)
+            unexpected = sorted(name for name in names if name not in expected)
+            if unexpected:
+                layer_ids = [int(m.group(1)) for m in map(_TENSOR_PATTERN.match, unexpected) if m]
+                if layer_ids and tensor_names is None:
+                    raise GateFileError(
+                        f"{path}: holds gates for layer(s) {sorted(layer_ids)} but the model has "
+                        f"{spec.num_layers} layers (0..{spec.num_layers - 1})"
+                    )
+                raise GateFileError(
+                    f"{path}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                    f"expected names like {gate_tensor_name(0)!r} (pass tensor_names= for other layouts)"
+                )
+            gates = {expected[name]: handle.get_tensor(name) for name in names}
+    except GateFileError:
+        raise
+    except FileNotFoundError as error:
+        raise GateFileError(f"{path}: no such gate file") from error
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
+    if not gates:
+        raise GateFileError(f"{path}: holds no gate tensors")
+    for layer_idx, weight in sorted(gates.items()):
+        if tuple(weight.shape) != spec.shape:
+            raise GateFileError(f"{path}: layer {layer_idx} gate has shape {tuple(weight.shape)}, expected "
+                                f"{spec.shape}{_shape_difference(tuple(weight.shape), spec)}")
+        if not weight.is_floating_point():
+            raise GateFileError(f"{path}: layer {layer_idx} gate has dtype {weight.dtype}, expected a float type")
+        weight = weight.float()
+        if not bool(torch.isfinite(weight).all()):
+            raise GateFileError(f"{path}: layer {layer_idx} gate holds NaN or infinite values")
+        gates[layer_idx] = weight
+    return dict(sorted(gates.items()))
+
+
+def _shape_difference(shape: tuple[int, ...], spec: GateSpec) -> str:
+    if len(shape) != 3:
+        return " ([kv_heads, block_size, head_dim])"
+    fields = [(name, got, want) for name, got, want in zip(("kv_heads", "block_size", "head_dim"), shape, spec.shape)
+              if got != want]
+    return " (" + ", ".join(f"{name} {got} != model's {want}" for name, got, want in fields) + ")"
+
+
+def _check_metadata(path: Path, metadata: Mapping[str, str], spec: GateSpec) -> None:
+    if "format" not in metadata:
+        return  # a file written by another tool: shapes are checked per tensor
+    if metadata["format"] != FORMAT_NAME:
+        raise GateFileError(f"{path}: metadata format {metadata['format']!r} is not {FORMAT_NAME!r}")
+    try:
+        version = int(metadata.get("format_version", "0"))
+    except ValueError:
+        version = -1
+    if not 1 <= version <= FORMAT_VERSION:
+        raise GateFileError(f"{path}: format_version {metadata.get('format_version')!r} is not supported "
+                            f"(this hf_sparse reads versions 1..{FORMAT_VERSION})")
+    for key, want in (("num_layers", spec.num_layers), ("kv_heads", spec.kv_heads), ("head_dim", spec.head_dim),
+                      ("block_size", spec.block_size)):
+        if key in metadata and metadata[key] != str(want):
+            hint = " (set PLASConfig.block_size to match, or train gates for this block size)" if key == "block_size" else ""
+            raise GateFileError(f"{path}: {key} {metadata[key]} != model's {want}{hint}")
+
+
+# -- loading and saving ---------------------------------------------------------------------------------------
+def _fail(message: str, strict: bool) -> dict[int, torch.Tensor]:
+    if strict:
+        raise GateFileError(message)
+    logger.warning("%s; PLAS falls back to mean-pooled block summaries", message)
+    return {}
+
+
+def _looks_like_repo_id(source: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if source.endswith(".safetensors") or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _download(repo_id: str, filename: str, revision: str | None, cache_dir: str | os.PathLike | None,
+              token: str | bool | None) -> str:
+    """``hf_hub_download`` with every "could not get the file" outcome turned into :class:`GateFileError`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{filename} in Hub repo {repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        return hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token)
+    except RevisionNotFoundError as error:
+        raise GateFileError(f"{where}: revision not found") from error
+    except RepositoryNotFoundError as error:
+        raise GateFileError(f"{where}: repository not found (or not accessible)") from error
+    except LocalEntryNotFoundError as error:
+        # Offline (HF_HUB_OFFLINE) or unreachable Hub, and nothing in the cache.
+        raise GateFileError(f"{where}: not in the local cache and the Hub could not be reached ({error})") from error
+    except EntryNotFoundError as error:
+        raise GateFileError(f"{where}: no such file in the repository") from error
+    except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as error:
+        raise GateFileError(f"{where}: download failed ({error})") from error
+
+
+def resolve_gate_file(source: str | os.PathLike, filename: str = GATE_FILENAME, revision: str | None = None,
+                      cache_dir: str | os.PathLike | None = None, token: str | bool | None = None) -> Path:
+    """Local path of the gate file that ``source`` names: a file, a folder holding ``filename``, or a Hub repo id
+    (downloaded through the Hugging Face cache). Raises :class:`GateFileError` when there is none."""
+    text = os.fspath(source)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / filename).is_file():
+            return path / filename
+        raise GateFileError(f"{path / filename}: no gate file in the folder")
+    if _looks_like_repo_id(text):
+        return Path(_download(text, filename, revision, cache_dir, token))
+    raise GateFileError(f"{path}: no such gate file or folder (and not a Hub repo id)")
+
+
+def load_gates(
+    model: torch.nn.Module,
+    source: str | os.PathLike,
+    revision: str | None = None,
+    strict: bool = False,
+    *,
+    filename: str = GATE_FILENAME,
+    tensor_names: Mapping[int, str] | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> dict[int, torch.Tensor]:
+    """Load gates from a file, a folder or a Hub repo id and attach them to ``model``; returns them by layer.
+
+    Nothing is attached unless the whole file is valid. With ``strict=False`` a missing, unreadable or mismatched
+    file logs one warning and returns ``{}`` (the model keeps mean pooling, or the gates it had); a file that
+    lacks some gated layers attaches the others and warns. With ``strict=True`` each of these raises
+    :class:`GateFileError`. ``revision`` pins a Hub branch, tag or commit; ``HF_HUB_OFFLINE=1`` serves the cache.
+    """
+    spec = gate_spec(model)
+    try:
+        path = resolve_gate_file(source, filename, revision, cache_dir, token)
+        gates = read_gate_file(path, spec, tensor_names)
+    except GateFileError as error:
+        return _fail(str(error), strict)
+    missing = [i for i in spec.gated_layers if i not in gates]
+    if missing:
+        message = f"{path}: no gate for layer(s) {missing}"
+        if strict:
+            raise GateFileError(message)
+        logger.warning("%s; those layers use mean-pooled block summaries", message)
+    set_gates(model, gates)
+    logger.info("loaded PLAS gates for %d layer(s) from %s", len(gates), path)
+    return gates
+
+
+def save_gates(model: torch.nn.Module, folder: str | os.PathLike, filename: str = GATE_FILENAME) -> Path:
+    """Write the gates attached to ``model`` to ``folder/filename`` (atomically); returns the path."""
+    gates = get_gates(model)
+    if not gates:
+        raise ValueError("the model has no gates attached (load_gates or train_gates attach them)")
+    spec = gate_spec(model, block_size=next(iter(gates.values())).shape[1])
+    plas = model_plas_config(model)
+    if spec.block_size != plas.block_size:
+        logger.warning("saving gates of block size %d while the model's PLASConfig.block_size is %d",
+                       spec.block_size, plas.block_size)
+    return write_gate_file(gates, Path(folder) / filename, spec)
+
+
+def save_gates_alongside(model: torch.nn.Module, folder: str | os.PathLike) -> Path | None:
+    """For ``save_pretrained``: write the gate file into ``folder`` if gates are attached; else do nothing."""
+    if not get_gates(model):
+        return None
+    return save_gates(model, folder)
+
+
+def autoload_gates(model: torch.nn.Module, revision: str | None = None) -> dict[int, torch.Tensor]:
+    """For ``from_pretrained``: load :data:`GATE_FILENAME` from the model's own folder or Hub repo.
+
+    The location is ``model.config._name_or_path`` (a Hub model is pinned to the commit its weights came from,
+    ``config._commit_hash``, unless ``revision`` is given). A missing or unusable file logs one warning and
+    leaves mean pooling; this never raises for a bad file.
+    """
+    source = str(getattr(model.config, "_name_or_path", "") or "")
+    if not source:
+        logger.debug("model has no _name_or_path: no gate file to look for, PLAS uses mean pooling")
+        return {}
+    if revision is None and not os.path.isdir(source):
+        revision = getattr(model.config, "_commit_hash", None)
+    return load_gates(model, source, revision=revision, strict=False)
+
+
+def push_gates_to_hub(
+    model: torch.nn.Module,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    private: bool | None = None,
+    commit_message: str | None = None,
+    create_repo: bool = True,
+    filename: str = GATE_FILENAME,
+) -> Any:
+    """Upload the attached gates as ``filename`` to Hub repo ``repo_id`` (created if missing, unless
+    ``create_repo=False``); returns huggingface_hub's ``CommitInfo``."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    if create_repo:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hf_sparse_gates-") as folder:
+        path = save_gates(model, folder, filename)
+        return api.upload_file(
+            path_or_fileobj=str(path), path_in_repo=filename, repo_id=repo_id, revision=revision,
+            commit_message=commit_message or "Upload PLAS gate weights",
+        )

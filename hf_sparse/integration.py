@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 from typing import Any, Callable, Iterator
 
@@ -14,23 +15,21 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import dense_attention, plas_attention_forward
+from .attention import dense_attention, sparse_attention_forward
 from .cache import SparseCache
-from .config import CONFIG_KEY, PLASConfig
+from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
+from .star import star_attention_forward
 
 logger = logging.getLogger(__name__)
 
-#: Attention implementations this package provides.
-METHODS = ("plas", "xattn", "star")
-_PENDING = {"xattn": "XAttention (issue #5)", "star": "Star Attention (issue #6)"}
+#: Attention function of each implementation this package provides.
+ATTENTION_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "plas": functools.partial(sparse_attention_forward, method="plas"),
+    "xattn": functools.partial(sparse_attention_forward, method="xattn"),
+    "star": star_attention_forward,
+}
+METHODS = tuple(ATTENTION_FUNCTIONS)
 _PROBE_NAME = "hf_sparse_probe"
-
-
-def _not_yet(name: str) -> Callable[..., Any]:
-    def attention(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f'attn_implementation="{name}" is registered but not implemented yet: {_PENDING[name]}')
-
-    return attention
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -67,22 +66,53 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     return result
 
 
+def _from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+    """``from_pretrained``, then, for attn_implementation="plas", the gate file from the model's folder or repo."""
+    result = _ORIGINAL["from_pretrained"](cls, *args, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "plas":
+        from .gates import autoload_gates
+
+        autoload_gates(model, revision=kwargs.get("revision"))
+    return result
+
+
+def _save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save_pretrained``, then the attached PLAS gates (if any) into the same folder."""
+    result = _ORIGINAL["save_pretrained"](self, save_directory, *args, **kwargs)
+    if kwargs.get("is_main_process", True):
+        from .gates import save_gates_alongside
+
+        save_gates_alongside(self, save_directory)
+    return result
+
+
 def patch() -> None:
-    """Register our attention/mask functions and install the generate() hook (idempotent)."""
-    AttentionInterface.register("plas", plas_attention_forward)
-    for name in _PENDING:
-        AttentionInterface.register(name, _not_yet(name))
+    """Register our attention/mask functions and install the generate(), from_pretrained() and
+    save_pretrained() hooks (idempotent)."""
+    for name, function in ATTENTION_FUNCTIONS.items():
+        AttentionInterface.register(name, function)
     for name in METHODS + (_PROBE_NAME,):
         AttentionMaskInterface.register(name, padding_mask)
     if "prepare_cache" not in _ORIGINAL:
         _ORIGINAL["prepare_cache"] = GenerationMixin._prepare_cache_for_generation
         GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    if "from_pretrained" not in _ORIGINAL:
+        _ORIGINAL["from_pretrained"] = PreTrainedModel.from_pretrained.__func__
+        PreTrainedModel.from_pretrained = classmethod(_from_pretrained)
+    if "save_pretrained" not in _ORIGINAL:
+        _ORIGINAL["save_pretrained"] = PreTrainedModel.save_pretrained
+        PreTrainedModel.save_pretrained = _save_pretrained
 
 
 def unpatch() -> None:
-    """Undo :func:`patch`'s generate() hook (registered names stay, as transformers cannot unregister)."""
+    """Undo :func:`patch`'s hooks (registered names stay, as transformers cannot unregister)."""
     if "prepare_cache" in _ORIGINAL:
         GenerationMixin._prepare_cache_for_generation = _ORIGINAL.pop("prepare_cache")
+    if "from_pretrained" in _ORIGINAL:
+        PreTrainedModel.from_pretrained = classmethod(_ORIGINAL.pop("from_pretrained"))
+    if "save_pretrained" in _ORIGINAL:
+        PreTrainedModel.save_pretrained = _ORIGINAL.pop("save_pretrained")
 
 
 def _check_model(model: PreTrainedModel) -> None:
@@ -95,12 +125,14 @@ def _check_model(model: PreTrainedModel) -> None:
         )
 
 
-def configure(model: PreTrainedModel, config: PLASConfig | None = None) -> PreTrainedModel:
-    """Attach a method configuration to ``model`` (stored in ``model.config``) and switch its attention to it."""
+def configure(model: PreTrainedModel, config: Any = None) -> PreTrainedModel:
+    """Attach a method configuration (PLASConfig, XAttnConfig or StarConfig; default PLASConfig()) to ``model``,
+    stored in ``model.config``, and switch its attention to that method."""
     _check_model(model)
     config = config if config is not None else PLASConfig()
-    if not isinstance(config, PLASConfig):
-        raise TypeError(f"configure() takes a PLASConfig, got {type(config).__name__}")
+    if not isinstance(config, tuple(CONFIG_CLASSES.values())):
+        names = ", ".join(cls.__name__ for cls in CONFIG_CLASSES.values())
+        raise TypeError(f"configure() takes one of {names}; got {type(config).__name__}")
     text_config = model.config.get_text_config(decoder=True)
     for target in {id(model.config): model.config, id(text_config): text_config}.values():
         setattr(target, CONFIG_KEY, config.to_dict())

@@ -1,0 +1,111 @@
+"""XAttention block selection: antidiagonal block scores, cumulative-mass threshold, GQA reduction."""
+from __future__ import annotations
+
+import torch
+
+from ..config import XAttnConfig
+from .. import kernels
+from ..kernels import reference
+from ..selection import BlockSelection
+
+
+class XAttnMethod:
+    """Selects key blocks by XAttention's rule: per query tile (prefill) or query (decode), the smallest set of
+    key blocks whose estimated attention mass reaches ``threshold``, plus the sink and diagonal blocks.
+
+    Prefill estimates the mass with antidiagonal strided scores (:func:`reference.antidiagonal_block_scores`)
+    per query head, in chunks of ``prefill_chunk`` queries, then reduces the heads of each GQA group by
+    ``gqa_reduce``. Decode scores the block summaries kept in the SparseCache (as PLAS does) and unites the
+    heads of each GQA group. Both return one selection row per KV head.
+    """
+
+    name = "xattn"
+
+    def __init__(self, config: XAttnConfig) -> None:
+        self.config = config
+
+    def select_prefill(
+        self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
+        kv_start: torch.Tensor,
+    ) -> BlockSelection:
+        config = self.config
+        block_size = config.block_size
+        batch, _, num_queries, _ = query.shape
+        kv_heads, key_length = key.shape[1], key.shape[2]
+        kv_start = kv_start.to(query.device)
+        num_blocks = reference.num_row_blocks(key_length, kv_start, block_size)
+        num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, block_size)
+        tiles_per_chunk = num_tiles if config.prefill_chunk is None else config.prefill_chunk // block_size
+        mask = torch.zeros(batch, kv_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
+        for first_tile in range(0, num_tiles, tiles_per_chunk):
+            count = min(tiles_per_chunk, num_tiles - first_tile)
+            mass = kernels.antidiagonal_block_scores(
+                query, key, scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block_size,
+                stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
+            )
+            available, forced = self._tile_blocks(num_queries, q_offset, kv_start, first_tile, count, num_blocks)
+            chosen = reference.cumulative_threshold_select(
+                mass, available[:, None], forced[:, None], config.mass_threshold("prefill")
+            )
+            mask[:, :, first_tile : first_tile + count] = self._reduce_group(chosen, kv_heads)
+        return BlockSelection.from_mask(mask, block_size=block_size, query_tile=block_size)
+
+    def select_decode(
+        self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
+        kv_start: torch.Tensor,
+    ) -> BlockSelection:
+        config = self.config
+        batch, q_heads, num_queries, _ = query.shape
+        kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
+        kv_start = kv_start.to(query.device)
+        available = reference.block_availability(
+            num_queries, num_blocks, q_offset, kv_start, config.block_size, key.shape[2]
+        )  # [B, Sq, nb]
+        probs = reference.block_scores(query, summaries, scale, available)
+        block_ids = torch.arange(num_blocks, device=query.device)
+        query_slots = q_offset + torch.arange(num_queries, device=query.device)
+        own_block = torch.div(query_slots[None, :] - kv_start[:, None], config.block_size, rounding_mode="floor")
+        forced = torch.zeros_like(available)
+        if config.keep_diagonal:
+            forced |= block_ids[None, None, :] == own_block[..., None]
+        if config.keep_sink:
+            forced |= (block_ids == 0)[None, None, :]
+        chosen = reference.cumulative_threshold_select(
+            probs, available[:, None], forced[:, None], config.mass_threshold("decode")
+        )
+        # One row per KV head shared by every query of the call: union over queries and the group's heads.
+        mask = chosen.any(2, keepdim=True).view(batch, kv_heads, q_heads // kv_heads, 1, num_blocks).any(2)
+        return BlockSelection.from_mask(mask, block_size=config.block_size, query_tile=num_queries)
+
+    def _tile_blocks(
+        self, num_queries: int, q_offset: int, kv_start: torch.Tensor, first_tile: int, num_tiles: int,
+        num_blocks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boolean ``[B, n, nb]`` (available, forced) per query tile: available = row blocks starting at or
+        before the tile's last real query; forced = the sink block and the blocks holding the tile's queries."""
+        block_size = self.config.block_size
+        device = kv_start.device
+        pad_q = reference.padding_queries(num_queries, q_offset, kv_start)
+        tiles = first_tile + torch.arange(num_tiles, device=device)
+        first_query = pad_q[:, None] + tiles[None, :] * block_size
+        last_query = torch.clamp_max(first_query + block_size, num_queries) - 1
+        has_query = last_query >= first_query
+        first_own = torch.div(q_offset + first_query - kv_start[:, None], block_size, rounding_mode="floor")
+        last_own = torch.div(q_offset + last_query - kv_start[:, None], block_size, rounding_mode="floor")
+        block_ids = torch.arange(num_blocks, device=device)[None, None, :]
+        available = has_query[..., None] & (block_ids <= last_own[..., None])
+        forced = torch.zeros_like(available)
+        if self.config.keep_diagonal:
+            forced |= (block_ids >= first_own[..., None]) & (block_ids <= last_own[..., None])
+        if self.config.keep_sink:
+            forced |= block_ids == 0
+        return available, forced & available
+
+    def _reduce_group(self, chosen: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """``[B, Hq, n, nb]`` per-head masks -> ``[B, Hkv, n, nb]``: any head of the group, or more than
+        ``vote_ratio`` of them (forced blocks are chosen by every head, so they survive both)."""
+        batch, q_heads = chosen.shape[:2]
+        grouped = chosen.view(batch, kv_heads, q_heads // kv_heads, *chosen.shape[2:])
+        if self.config.gqa_reduce == "any":
+            return grouped.any(2)
+        return grouped.float().mean(2) > self.config.vote_ratio

@@ -1,0 +1,660 @@
+"""PLAS gate distillation: learn each layer's gate so block scores predict where dense attention goes.
+
+Per query, the target is the dense attention probabilities max-pooled over each key block and renormalised to
+sum 1 over the causal blocks; the prediction is ``softmax_j(q . Kc_j * scale)`` over the same blocks, with
+``Kc`` the gate-compressed keys (:func:`hf_sparse.kernels.reference.block_summaries`, the inference code path);
+the loss is ``KL(target || prediction)``. The model is frozen and runs dense attention; each layer's loss is
+computed and back-propagated inside the forward pass as soon as that layer's query and keys exist, so memory
+holds one layer's attention at a time. Only the gates get gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .gates import GATE_FILENAME, attention_modules, gate_spec, model_plas_config, set_gates, write_gate_file
+from .integration import attention_probe
+from .kernels.reference import block_availability, block_summaries
+
+logger = logging.getLogger(__name__)
+
+#: File (in the output folder) holding the resumable training state.
+CHECKPOINT_FILENAME = "gate_training_checkpoint.safetensors"
+_TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+
+
+@dataclass
+class GateTrainingConfig:
+    """Settings of :func:`train_gates`.
+
+    Attributes:
+        seq_length: tokens per packed training sequence (a multiple of ``block_size``).
+        batch_size: sequences per optimisation step.
+        max_tokens: training tokens (``steps = max_tokens // (seq_length * batch_size)``, cycling over the data
+            in a fresh seeded order each epoch); ``None`` = one pass over the data.
+        learning_rate: peak Adam learning rate (gates start at ``1 / block_size``).
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * learning_rate``.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        block_size: gate block size; ``None`` = the model's ``PLASConfig.block_size``.
+        layers: layer indices to train; ``None`` = every layer not in the model's ``dense_layers``. The forward
+            pass stops after the last of them.
+        query_chunk: queries whose dense attention is materialised at once (bounds memory).
+        skip_forced_blocks: leave the blocks PLAS always attends (the model's ``sink_blocks`` first blocks and each
+            query's own block) out of target and prediction, so the gate learns to rank the blocks selection
+            actually chooses among; ``False`` distils over every causal block (see docs/gates.md for both).
+        checkpoint_every: steps between checkpoints (with an output folder); 0 = only at the end / interruption.
+        seed: seeds the data order; with the same data and settings two runs give identical gates.
+    """
+
+    seq_length: int = 4096
+    batch_size: int = 1
+    max_tokens: int | None = None
+    learning_rate: float = 2e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    block_size: int | None = None
+    layers: tuple[int, ...] | None = None
+    query_chunk: int = 1024
+    skip_forced_blocks: bool = True
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "batch_size", "query_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.warmup_steps < 0 or self.checkpoint_every < 0:
+            raise ValueError("warmup_steps and checkpoint_every must be >= 0")
+        if self.layers is not None:
+            self.layers = tuple(sorted({int(i) for i in self.layers}))
+
+
+@dataclass
+class GateTrainingResult:
+    """What :func:`train_gates` produced: the gates (also attached to the model), the mean loss over the trained
+    layers at every step, and where the gate file went."""
+
+    gates: dict[int, torch.Tensor]
+    losses: list[float]
+    steps: int
+    tokens: int
+    resumed_from: int = 0
+    path: Path | None = None
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+def read_text_files(patterns: Sequence[str]) -> list[str]:
+    """Contents of the files named by ``patterns`` (paths, globs with ``**``, or folders: their .txt/.md/.rst/.py
+    files), in sorted path order, each file once."""
+    paths: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            matches = [p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+                       if p.endswith(_TEXT_SUFFIXES) and os.path.isfile(p)]
+        else:
+            matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
+        if not matches:
+            raise FileNotFoundError(f"no files match {pattern!r}")
+        paths.extend(sorted(matches))
+    texts, seen = [], set()
+    for path in paths:
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            texts.append(handle.read())
+    return texts
+
+
+def token_stream(texts: Iterable[str], tokenizer: Any, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids of ``texts`` joined by the tokenizer's EOS token (1-D int64), stopping after ``max_tokens``."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
+        ids.extend(separator)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)
+
+
+def pack_sequences(tokens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Cut a 1-D token stream into ``[num_sequences, seq_length]`` (the incomplete tail is dropped)."""
+    count = tokens.numel() // seq_length
+    if count == 0:
+        raise ValueError(f"{tokens.numel()} tokens are fewer than one sequence of {seq_length}")
+    return tokens[: count * seq_length].view(count, seq_length).clone()
+
+
+def _as_sequences(dataset: Any, tokenizer: Any, config: GateTrainingConfig) -> torch.Tensor:
+    if isinstance(dataset, torch.Tensor):
+        if dataset.dim() == 2 and dataset.shape[1] == config.seq_length:
+            return dataset.long()
+        return pack_sequences(dataset.reshape(-1).long(), config.seq_length)
+    items = list(dataset)
+    if items and isinstance(items[0], str):
+        if tokenizer is None:
+            raise ValueError("a dataset of strings needs tokenizer=")
+        return pack_sequences(token_stream(items, tokenizer, config.max_tokens), config.seq_length)
+    flat = [int(t) for item in items for t in item]
+    return pack_sequences(torch.tensor(flat, dtype=torch.long), config.seq_length)
+
+
+def _data_order(num_sequences: int, steps: int, batch_size: int, seed: int) -> torch.Tensor:
+    """Sequence index of every (step, slot): seeded permutations, a fresh one per epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = steps * batch_size
+    parts, total = [], 0
+    while total < needed:
+        parts.append(torch.randperm(num_sequences, generator=generator))
+        total += num_sequences
+    return torch.cat(parts)[:needed].view(steps, batch_size)
+
+
+# -- the distillation objective -------------------------------------------------------------------------------
+def _causal_probs(query: torch.Tensor, keys: torch.Tensor, q0: int, scale: float) -> torch.Tensor:
+    """Dense causal attention probabilities of queries ``q0..`` (float32 ``[B, Hq, c, S]``), no padding."""
+    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
+    positions = torch.arange(keys.shape[2], device=query.device)
+    visible = positions[None, :] <= (q0 + torch.arange(query.shape[2], device=query.device))[:, None]
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def _blockwise(probs: torch.Tensor, block_size: int, num_blocks: int, reduce: str) -> torch.Tensor:
+    """Max or sum of ``probs`` over each key block: ``[..., S] -> [..., num_blocks]``."""
+    pad = num_blocks * block_size - probs.shape[-1]
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.unflatten(-1, (num_blocks, block_size))
+    return blocks.amax(-1) if reduce == "max" else blocks.sum(-1)
+
+
+def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
+    """``log_softmax_j(q . Kc_j * scale)`` over the available blocks (``-inf`` elsewhere)."""
+    group = query.shape[1] // summaries.shape[1]
+    logits = torch.matmul(query.float(), summaries.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    return torch.log_softmax(logits.masked_fill(~available[:, None], float("-inf")), dim=-1)
+
+
+def choosable_blocks(num_queries: int, num_blocks: int, q0: int, block_size: int, length: int, batch: int,
+                     device: torch.device, sink_blocks: int | None) -> torch.Tensor:
+    """Boolean ``[B, c, nb]``: causal blocks of queries ``q0..q0+c-1`` (unpadded rows), without the blocks PLAS
+    always attends (the first ``sink_blocks`` and the query's own) unless ``sink_blocks`` is ``None``."""
+    kv_start = torch.zeros(batch, dtype=torch.long, device=device)
+    available = block_availability(num_queries, num_blocks, q0, kv_start, block_size, length)
+    if sink_blocks is None:
+        return available
+    block_ids = torch.arange(num_blocks, device=device)
+    own = torch.arange(q0, q0 + num_queries, device=device) // block_size
+    forced = (block_ids[None, :] == own[:, None]) | (block_ids[None, :] < sink_blocks)
+    return available & ~forced[None]
+
+
+def gate_distillation_loss(
+    query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
+    query_chunk: int = 1024, sink_blocks: int | None = 1,
+) -> torch.Tensor:
+    """Mean of ``KL(target || prediction)`` over heads and the queries that have at least two blocks to rank.
+
+    ``query`` ``[B, Hq, S, D]`` and ``key`` ``[B, Hkv, S, D]`` are one unpadded causal sequence per row; ``gate``
+    ``[Hkv, block_size, D]`` (``None`` = mean pooling). Both distributions run over the query's causal blocks
+    minus the ones PLAS always attends (first ``sink_blocks`` and the query's own block); ``sink_blocks=None``
+    keeps every causal block. Differentiable in ``gate``; the target is not.
+    """
+    batch, q_heads, length, _ = query.shape
+    group = q_heads // key.shape[1]
+    kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
+    summaries = block_summaries(key, gate, kv_start, block_size)
+    num_blocks = summaries.shape[2]
+    keys = key.float().repeat_interleave(group, dim=1)
+    total = query.new_zeros((), dtype=torch.float32)
+    count = 0
+    for q0 in range(min(block_size, length), length, query_chunk):
+        q1 = min(length, q0 + query_chunk)
+        choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
+        ranked = choosable.sum(-1) >= 2  # [B, c]: queries with something to rank
+        if not bool(ranked.any()):
+            continue
+        with torch.no_grad():
+            probs = _causal_probs(query[:, :, q0:q1], keys[:, :, :q1], q0, scale)
+            target = _blockwise(probs, block_size, num_blocks, "max") * choosable[:, None]
+            target = target / target.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
+        terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
+        total = total + (terms.sum(-1) * ranked[:, None]).sum()
+        count += int(ranked.sum()) * q_heads
+    return total / max(count, 1)
+
+
+class _StopForward(Exception):
+    """Raised from the probe after the last layer of interest: the rest of the model is not needed."""
+
+
+def probe_layers(model: Any, input_ids: torch.Tensor, layers: Sequence[int],
+                 callback: Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None]) -> None:
+    """Run ``model`` on ``input_ids`` (dense attention, no grad) and call ``callback(layer, module, query, key)``
+    for each layer in ``layers``; the forward stops after the last of them."""
+    wanted = set(layers)
+    last = max(wanted)
+
+    def on_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any) -> None:
+        layer_idx = module.layer_idx
+        if layer_idx in wanted:
+            callback(layer_idx, module, query.detach(), key.detach())
+        if layer_idx == last:
+            raise _StopForward
+
+    with torch.no_grad(), attention_probe(model, on_attention):
+        try:
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        except _StopForward:
+            pass
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+def _fingerprint(config: GateTrainingConfig, spec: Any, layers: Sequence[int], sequences: torch.Tensor,
+                 steps: int, sink_blocks: int | None) -> dict[str, Any]:
+    digest = hashlib.sha256(sequences.to(torch.int64).numpy().tobytes()).hexdigest()
+    settings = asdict(config)
+    settings["layers"] = list(layers)
+    settings["block_size"] = spec.block_size
+    settings["sink_blocks"] = sink_blocks
+    return {"settings": settings, "steps": steps, "data_sha256": digest, "num_sequences": int(sequences.shape[0]),
+            "gate_shape": list(spec.shape)}
+
+
+def _save_checkpoint(path: Path, step: int, gates: Mapping[int, torch.nn.Parameter], optimizer: torch.optim.Adam,
+                     losses: list[float], fingerprint: Mapping[str, Any]) -> None:
+    """Gates, Adam moments, step and loss history in one safetensors file, replaced atomically."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    adam_steps = {}
+    for layer, parameter in gates.items():
+        tensors[f"gates.{layer}"] = parameter.detach().cpu().contiguous().clone()
+        state = optimizer.state.get(parameter)
+        if state:
+            tensors[f"adam.{layer}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous().clone()
+            tensors[f"adam.{layer}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous().clone()
+            adam_steps[str(layer)] = float(state["step"])
+    metadata = {"step": str(step), "losses": json.dumps(losses), "adam_steps": json.dumps(adam_steps),
+                "fingerprint": json.dumps(fingerprint, sort_keys=True)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, temp, metadata=metadata)
+        with open(temp, "rb") as stream:
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+    logger.info("checkpoint at step %d written to %s", step, path)
+
+
+def _load_checkpoint(path: Path, gates: Mapping[int, torch.nn.Parameter], optimizer: torch.optim.Adam,
+                     fingerprint: Mapping[str, Any]) -> tuple[int, list[float]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        metadata = handle.metadata() or {}
+        stored = json.loads(metadata.get("fingerprint", "{}"))
+        if stored != json.loads(json.dumps(fingerprint, sort_keys=True)):
+            differences = _differences(stored, fingerprint)
+            raise ValueError(f"{path} was written by a different training run ({differences}); use another output "
+                             "folder or overwrite=True (--overwrite) to start over")
+        adam_steps = json.loads(metadata["adam_steps"])
+        with torch.no_grad():
+            for layer, parameter in gates.items():
+                parameter.copy_(handle.get_tensor(f"gates.{layer}"))
+                if str(layer) in adam_steps:
+                    optimizer.state[parameter] = {
+                        "step": torch.tensor(adam_steps[str(layer)], dtype=torch.float32),
+                        "exp_avg": handle.get_tensor(f"adam.{layer}.exp_avg").to(parameter.device),
+                        "exp_avg_sq": handle.get_tensor(f"adam.{layer}.exp_avg_sq").to(parameter.device),
+                    }
+        return int(metadata["step"]), json.loads(metadata["losses"])
+
+
+def _differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    flat_stored = {**stored.get("settings", {}), **{k: v for k, v in stored.items() if k != "settings"}}
+    flat_current = {**current.get("settings", {}), **{k: v for k, v in current.items() if k != "settings"}}
+    changed = [f"{key}: {flat_stored.get(key)!r} -> {flat_current.get(key)!r}"
+               for key in sorted(set(flat_stored) | set(flat_current)) if flat_stored.get(key) != flat_current.get(key)]
+    return "; ".join(changed) or "unreadable fingerprint"
+
+
+class _GracefulStop:
+    """While active (main thread only), SIGINT/SIGTERM set a flag that the loop checks between steps, so an
+    interruption checkpoints a consistent state; a second signal interrupts at once."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+        logger.warning("interrupt received: stopping after the current step (interrupt again to stop now)")
+
+    def __enter__(self) -> "_GracefulStop":
+        if self.enabled:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _learning_rate(step: int, steps: int, config: GateTrainingConfig) -> float:
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    span = max(1, steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+# -- training -------------------------------------------------------------------------------------------------
+def train_gates(
+    model: Any,
+    dataset: Any,
+    config: GateTrainingConfig | None = None,
+    *,
+    tokenizer: Any = None,
+    output_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_step: Callable[[int, float], None] | None = None,
+) -> GateTrainingResult:
+    """Distil PLAS gates for ``model`` from its own dense attention on ``dataset``; attach and return them.
+
+    ``dataset``: token ids (a ``[N, seq_length]`` or 1-D tensor), sequences of ids, or strings (with
+    ``tokenizer``); it is packed into ``config.seq_length`` sequences. The model's weights are not changed
+    (parameters are frozen for the run and restored after). With ``output_dir`` the gate file
+    (:data:`~hf_sparse.gates.GATE_FILENAME`) is written there, a checkpoint every ``config.checkpoint_every``
+    steps and on SIGINT/SIGTERM (the run then raises ``KeyboardInterrupt``); calling again with the same
+    arguments resumes and ends with the same gates as an uninterrupted run. ``on_step(step, loss)`` is called
+    after every step.
+    """
+    config = config if config is not None else GateTrainingConfig()
+    spec = gate_spec(model, config.block_size)
+    if config.seq_length % spec.block_size:
+        raise ValueError(f"seq_length {config.seq_length} must be a multiple of block_size {spec.block_size}")
+    layers = list(config.layers if config.layers is not None else spec.gated_layers)
+    if not layers or min(layers) < 0 or max(layers) >= spec.num_layers:
+        raise ValueError(f"layers {layers} must be a non-empty subset of 0..{spec.num_layers - 1}")
+    sequences = _as_sequences(dataset, tokenizer, config)
+    steps = (config.max_tokens // (config.seq_length * config.batch_size) if config.max_tokens is not None
+             else sequences.shape[0] // config.batch_size)
+    if steps < 1:
+        raise ValueError(f"{config.max_tokens or sequences.numel()} tokens make no step of "
+                         f"{config.batch_size} x {config.seq_length} tokens")
+    order = _data_order(sequences.shape[0], steps, config.batch_size, config.seed)
+    device = next(model.parameters()).device
+    scale = _attention_scale(model, spec.head_dim)
+    sink_blocks = model_plas_config(model).sink_blocks if config.skip_forced_blocks else None
+
+    gates = {layer: torch.nn.Parameter(torch.full(spec.shape, 1.0 / spec.block_size, device=device))
+             for layer in layers}
+    optimizer = torch.optim.Adam(list(gates.values()), lr=config.learning_rate, foreach=False)
+    fingerprint = _fingerprint(config, spec, layers, sequences, steps, sink_blocks)
+    checkpoint = Path(output_dir) / CHECKPOINT_FILENAME if output_dir is not None else None
+    start, losses = 0, []
+    if checkpoint is not None and checkpoint.exists():
+        if overwrite:
+            checkpoint.unlink()
+        else:
+            start, losses = _load_checkpoint(checkpoint, gates, optimizer, fingerprint)
+            logger.info("resuming gate training from step %d of %d (%s)", start, steps, checkpoint)
+
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for parameter, _ in frozen:
+        parameter.requires_grad_(False)
+    was_training = model.training
+    model.eval()
+    layer_losses: dict[int, float] = {}
+
+    def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            loss = gate_distillation_loss(query, key, gates[layer], spec.block_size, scale, config.query_chunk,
+                                          sink_blocks)
+            loss.backward()
+        layer_losses[layer] = float(loss.detach())
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, initial=start, desc="train gates", unit="step", disable=not progress)
+    step = start
+    try:
+        with _GracefulStop(checkpoint is not None) as stopper:
+            for step in range(start, steps):
+                optimizer.zero_grad(set_to_none=True)
+                layer_losses.clear()
+                batch = sequences[order[step]].to(device)
+                probe_layers(model, batch, layers, on_layer)
+                for group in optimizer.param_groups:
+                    group["lr"] = _learning_rate(step, steps, config)
+                optimizer.step()
+                loss = sum(layer_losses.values()) / len(layer_losses)
+                losses.append(loss)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+                done = step + 1
+                if on_step is not None:
+                    on_step(done, loss)
+                if checkpoint is not None and (stopper.requested is not None or done == steps or
+                                               (config.checkpoint_every and done % config.checkpoint_every == 0)):
+                    _save_checkpoint(checkpoint, done, gates, optimizer, losses, fingerprint)
+                if stopper.requested is not None:
+                    raise KeyboardInterrupt(f"gate training interrupted after step {done} of {steps}; "
+                                            f"checkpoint {checkpoint}: run again to resume")
+    finally:
+        bar.close()
+        for parameter, requires_grad in frozen:
+            parameter.requires_grad_(requires_grad)
+        model.train(was_training)
+
+    trained = {layer: parameter.detach().float().clone() for layer, parameter in gates.items()}
+    set_gates(model, trained)
+    path = write_gate_file(trained, Path(output_dir) / GATE_FILENAME, spec) if output_dir is not None else None
+    return GateTrainingResult(trained, losses, steps, steps * config.batch_size * config.seq_length, start, path)
+
+
+def _attention_scale(model: Any, head_dim: int) -> float:
+    module = next(iter(attention_modules(model).values()))
+    scaling = getattr(module, "scaling", None)
+    return float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
+
+
+# -- evaluation -----------------------------------------------------------------------------------------------
+@dataclass
+class GateMetrics:
+    """Agreement of block scores with dense attention for one set of gates (means over layers, heads and queries).
+
+    Over the blocks the gate ranks (causal blocks minus the first block and the query's own, which PLAS always
+    attends; queries with at least two such blocks): ``kl`` = KL(max-pooled dense block distribution ||
+    predicted distribution), ``top1`` = the predicted best block is the target's best block. ``kl_all`` and
+    ``top1_all``: the same over every causal block. ``recall``: dense attention mass inside the selected blocks,
+    where each query selects ``ceil(density * causal blocks)`` blocks, the forced ones first and then the best
+    scored (so both gate sets run at equal density); ``oracle_recall``: the same count chosen by true block mass.
+    ``density``: the fraction of causal blocks selected.
+    """
+
+    kl: float
+    top1: float
+    kl_all: float
+    top1_all: float
+    recall: float
+    oracle_recall: float
+    density: float
+    per_layer: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def _select(scores: torch.Tensor, available: torch.Tensor, keep: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Boolean selection of ``keep`` blocks per query: forced ones first, then by descending score."""
+    ranked = scores.masked_fill(~available, float("-inf")).masked_fill(forced & available, float("inf"))
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    rank = order.argsort(dim=-1)
+    return (rank < keep[..., None]) & available
+
+
+@torch.no_grad()
+def evaluate_gates(
+    model: Any,
+    input_ids: torch.Tensor,
+    gates: Mapping[int, torch.Tensor] | None,
+    *,
+    density: float = 0.25,
+    layers: Sequence[int] | None = None,
+    block_size: int | None = None,
+    query_chunk: int = 512,
+) -> GateMetrics:
+    """:class:`GateMetrics` of ``gates`` (layer -> weight; ``None`` or a missing layer = mean pooling, exactly
+    as inference) on ``input_ids`` ``[B, S]`` (unpadded), over ``layers`` (default: the model's gated layers)."""
+    spec = gate_spec(model, block_size)
+    sink_blocks = model_plas_config(model).sink_blocks
+    layers = list(layers if layers is not None else spec.gated_layers)
+    scale = _attention_scale(model, spec.head_dim)
+    per_layer: dict[int, dict[str, float]] = {}
+
+    def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+        gate = None if gates is None else gates.get(layer)
+        per_layer[layer] = layer_metrics(query, key, gate, spec.block_size, scale, density, sink_blocks, query_chunk)
+
+    probe_layers(model, input_ids, layers, on_layer)
+    names = ("kl", "top1", "kl_all", "top1_all", "recall", "oracle_recall", "density")
+    means = {name: sum(m[name] for m in per_layer.values()) / len(per_layer) for name in names}
+    return GateMetrics(**means, per_layer=per_layer)
+
+
+def _kl_top1(target: torch.Tensor, log_pred: torch.Tensor, rows: torch.Tensor) -> tuple[float, float, int]:
+    target = target / target.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target)).sum(-1)
+    agree = (target.argmax(-1) == log_pred.argmax(-1)).float()
+    rows = rows[:, None].expand_as(kl)
+    return float((kl * rows).sum()), float((agree * rows).sum()), int(rows.sum())
+
+
+@torch.no_grad()
+def layer_metrics(query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
+                  density: float, sink_blocks: int = 1, query_chunk: int = 512) -> dict[str, float]:
+    """One layer's :class:`GateMetrics` fields from its post-RoPE ``query``/``key`` (unpadded rows)."""
+    batch, q_heads, length, _ = query.shape
+    group = q_heads // key.shape[1]
+    kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
+    summaries = block_summaries(key, None if gate is None else gate.to(key.device), kv_start, block_size)
+    num_blocks = summaries.shape[2]
+    keys = key.float().repeat_interleave(group, dim=1)
+    sums = dict(kl=0.0, top1=0.0, kl_all=0.0, top1_all=0.0, recall=0.0, oracle_recall=0.0, density=0.0)
+    ranked_count = all_count = 0
+    for q0 in range(min(block_size, length), length, query_chunk):
+        q1 = min(length, q0 + query_chunk)
+        probs = _causal_probs(query[:, :, q0:q1], keys[:, :, :q1], q0, scale)
+        peak = _blockwise(probs, block_size, num_blocks, "max")
+        mass = _blockwise(probs, block_size, num_blocks, "sum")
+        available = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, None)
+        choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
+        log_all = _log_predictions(query[:, :, q0:q1], summaries, available, scale)
+        log_ranked = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
+        kl, top1, rows = _kl_top1(peak * choosable[:, None], log_ranked, choosable.sum(-1) >= 2)
+        sums["kl"] += kl
+        sums["top1"] += top1
+        ranked_count += rows
+        kl, top1, rows = _kl_top1(peak, log_all, torch.ones_like(available[..., 0]))
+        sums["kl_all"] += kl
+        sums["top1_all"] += top1
+        all_count += rows
+        n_available = available.sum(-1)[:, None]  # [B, 1, c]
+        keep = torch.ceil(density * n_available).long().clamp_min(1)
+        forced = (available & ~choosable)[:, None]
+        chosen = _select(log_all, available[:, None], keep, forced)
+        best = _select(mass, available[:, None], keep, forced)
+        sums["recall"] += float((mass * chosen).sum())
+        sums["oracle_recall"] += float((mass * best).sum())
+        sums["density"] += float((chosen.sum(-1) / n_available).sum())
+    metrics = {}
+    for name, value in sums.items():
+        metrics[name] = value / max(ranked_count if name in ("kl", "top1") else all_count, 1)
+    return metrics
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``train-gates`` to the ``hf-sparse`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "train-gates", help="distil PLAS gates from a model's dense attention on text files",
+        description="Train PLAS gates (only the gates learn; the model is frozen) and write "
+                    f"{GATE_FILENAME} to --out. Re-running the same command resumes an interrupted run.",
+    )
+    parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
+    parser.add_argument("--data", nargs="+", required=True, help="text files, globs (** allowed) or folders")
+    parser.add_argument("--tokens", type=int, required=True, help="training tokens")
+    parser.add_argument("--out", required=True, help="output folder (gate file and checkpoint)")
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=GateTrainingConfig.learning_rate)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the model's PLASConfig.block_size")
+    parser.add_argument("--layers", default=None, help="comma-separated layer indices (default: all sparse layers)")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="model dtype; auto = bfloat16 on GPU, float32 on CPU (gates always train in float32)")
+    parser.add_argument("--overwrite", action="store_true", help="discard an existing checkpoint in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=_run_train_gates)
+    return parser
+
+
+def _run_train_gates(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if args.model == "default":
+        from .default_model import default_model_dir
+
+        path = str(default_model_dir())
+    else:
+        path = args.model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    layers = tuple(int(i) for i in args.layers.split(",") if i) if args.layers else None
+    config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
+                                learning_rate=args.lr, block_size=args.block_size, layers=layers,
+                                checkpoint_every=args.checkpoint_every, seed=args.seed)
+    texts = read_text_files(args.data)
+    result = train_gates(model, texts, config, tokenizer=tokenizer, output_dir=args.out, overwrite=args.overwrite,
+                         progress=not args.no_progress)
+    first, last = result.losses[0], result.losses[-1]
+    print(f"trained {len(result.gates)} layer gate(s) on {result.tokens} tokens in {result.steps} steps: "
+          f"loss {first:.4f} -> {last:.4f}; wrote {result.path}")
+    return 0
+

@@ -1,0 +1,236 @@
+"""Gate files: format, round trip (identical selections), bad input, autoload beside save_pretrained."""
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import hf_sparse
+from hf_sparse import gates
+from hf_sparse.kernels import reference
+
+from conftest import build, tiny_config
+
+BLOCK = 16
+
+
+def _model(layers: int = 3, kv_heads: int = 2, head_dim: int = 16, block_size: int = BLOCK, seed: int = 0):
+    model = build(tiny_config(layers=layers, kv_heads=kv_heads, head_dim=head_dim), "sdpa", seed=seed)
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=block_size, prefill_top_k=(2, 3), dense_below=0,
+                                                    query_union=16))
+    return model
+
+
+def _random_gates(model, seed: int = 0) -> dict[int, torch.Tensor]:
+    spec = gates.gate_spec(model)
+    generator = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(spec.shape, generator=generator) / spec.block_size for i in spec.gated_layers}
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "hf_sparse.gates"]
+
+
+def _selection(gate: torch.Tensor | None, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, 4, 200, 16, generator=generator)
+    key = torch.randn(1, 2, 200, 16, generator=generator)
+    kv_start = torch.zeros(1, dtype=torch.long)
+    summaries = reference.block_summaries(key, gate, kv_start, BLOCK)
+    return reference.select_blocks(query, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=BLOCK,
+                                   top_k=(2, 3), query_tile=16, head_union=False)
+
+
+def test_round_trip_gives_identical_selections_and_outputs(tmp_path):
+    source = _model()
+    gates.set_gates(source, _random_gates(source))
+    path = gates.save_gates(source, tmp_path)
+    assert path == tmp_path / gates.GATE_FILENAME
+    target = _model()
+    loaded = gates.load_gates(target, tmp_path, strict=True)
+    assert sorted(loaded) == [0, 1], "the last layer is dense (dense_layers=(-1,)) and has no gate"
+    for layer, weight in gates.get_gates(source).items():
+        assert torch.equal(loaded[layer], weight)
+        before, after = _selection(weight), _selection(loaded[layer])
+        assert torch.equal(before.indices, after.indices) and torch.equal(before.counts, after.counts)
+    assert not torch.equal(_selection(loaded[0]).indices, _selection(None).indices), "the gate changes selections"
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(source(ids).logits, target(ids).logits)
+
+
+def test_file_layout_and_metadata(tmp_path):
+    model = _model()
+    model.config._name_or_path = "org/base-model"
+    gates.set_gates(model, _random_gates(model))
+    path = gates.save_gates(model, tmp_path)
+    with safe_open(str(path), framework="pt") as handle:
+        assert sorted(handle.keys()) == ["layers.0.gate_weight", "layers.1.gate_weight"]
+        assert handle.get_tensor("layers.0.gate_weight").dtype == torch.float32
+        assert handle.metadata() == {
+            "format": "hf_sparse.plas_gates", "format_version": "1", "block_size": "16", "num_layers": "3",
+            "kv_heads": "2", "head_dim": "16", "layers": "0,1", "base_model": "org/base-model",
+            "hf_sparse_version": hf_sparse.__version__,
+        }
+    assert [p.name for p in tmp_path.iterdir()] == [gates.GATE_FILENAME], "no temporary file left behind"
+
+
+def test_mean_pooling_gates_equal_the_gateless_summaries():
+    model = _model()
+    key = torch.randn(1, 2, 4 * BLOCK, 16)
+    kv_start = torch.zeros(1, dtype=torch.long)
+    mean = gates.mean_pooling_gates(model)
+    assert sorted(mean) == [0, 1]
+    torch.testing.assert_close(reference.block_summaries(key, mean[0], kv_start, BLOCK),
+                               reference.block_summaries(key, None, kv_start, BLOCK))
+
+
+def _file_from(tmp_path, **kwargs) -> str:
+    other = _model(**kwargs)
+    gates.set_gates(other, _random_gates(other))
+    return str(gates.save_gates(other, tmp_path / "other"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"layers": 5}, "num_layers 5 != model's 3"),
+    ({"kv_heads": 4}, "kv_heads 4 != model's 2"),
+    ({"head_dim": 8}, "head_dim 8 != model's 16"),
+    ({"block_size": 32}, "block_size 32 != model's 16"),
+])
+def test_mismatched_file_names_file_and_field(tmp_path, caplog, kwargs, message):
+    path = _file_from(tmp_path, **kwargs)
+    with pytest.raises(gates.GateFileError) as error:
+        gates.load_gates(_model(), path, strict=True)
+    assert str(error.value).startswith(path) and message in str(error.value)
+    caplog.set_level(logging.WARNING)
+    model = _model()
+    assert gates.load_gates(model, path) == {} and gates.get_gates(model) == {}
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and message in warnings[0] and "mean-pooled" in warnings[0]
+
+
+def test_shape_checked_without_metadata(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    save_file({"layers.0.gate_weight": torch.ones(2, 32, 16), "layers.1.gate_weight": torch.ones(2, 16, 16)}, str(path))
+    with pytest.raises(gates.GateFileError, match=r"layer 0 gate has shape \(2, 32, 16\).*block_size 32 != model's 16"):
+        gates.load_gates(_model(), path, strict=True)
+    path = tmp_path / "extra-layer.safetensors"
+    save_file({f"layers.{i}.gate_weight": torch.ones(2, 16, 16) for i in range(4)}, str(path))
+    with pytest.raises(gates.GateFileError, match=r"layer\(s\) \[3\] but the model has 3 layers"):
+        gates.load_gates(_model(), path, strict=True)
+
+
+@pytest.mark.parametrize("content", ["truncated", "pickle", "text", "empty"])
+def test_unreadable_file_is_rejected_without_unpickling(tmp_path, content):
+    good = _file_from(tmp_path)
+    data = open(good, "rb").read()
+    path = tmp_path / gates.GATE_FILENAME
+    path.write_bytes({"truncated": data[: len(data) // 2], "pickle": pickle.dumps({"layers.0.gate_weight": [1.0]}),
+                      "text": b"not a safetensors file", "empty": b""}[content])
+    with pytest.raises(gates.GateFileError, match=rf"^{path}: not a readable safetensors gate file"):
+        gates.load_gates(_model(), tmp_path, strict=True)
+    assert gates.load_gates(_model(), tmp_path) == {}
+
+
+def test_missing_file_or_folder(tmp_path, caplog):
+    with pytest.raises(gates.GateFileError, match="no gate file in the folder"):
+        gates.load_gates(_model(), tmp_path, strict=True)
+    with pytest.raises(gates.GateFileError, match="no such gate file"):
+        gates.load_gates(_model(), tmp_path / "nowhere" / "gates.safetensors", strict=True)
+    caplog.set_level(logging.WARNING)
+    assert gates.load_gates(_model(), tmp_path) == {}
+    assert len(_warnings(caplog)) == 1
+
+
+def test_partial_file_loads_present_layers_unless_strict(tmp_path, caplog):
+    path = tmp_path / "partial.safetensors"
+    weight = torch.full((2, BLOCK, 16), 0.5)
+    save_file({"layers.0.gate_weight": weight}, str(path))
+    with pytest.raises(gates.GateFileError, match=r"no gate for layer\(s\) \[1\]"):
+        gates.load_gates(_model(), path, strict=True)
+    caplog.set_level(logging.WARNING)
+    model = _model()
+    assert sorted(gates.load_gates(model, path)) == [0]
+    assert torch.equal(gates.get_gates(model)[0], weight) and len(_warnings(caplog)) == 1
+
+
+def test_foreign_tensor_names_through_a_mapping(tmp_path):
+    path = tmp_path / "fastdeploy-style.safetensors"
+    tensors = {f"model.layers.{i}.self_attn.attn_gate_weight": torch.full((2, BLOCK, 16), float(i)) for i in range(2)}
+    save_file(tensors, str(path))
+    with pytest.raises(gates.GateFileError, match="unexpected tensor"):
+        gates.load_gates(_model(), path, strict=True)
+    model = _model()
+    loaded = gates.load_gates(model, path, strict=True, tensor_names="model.layers.{layer}.self_attn.attn_gate_weight")
+    assert torch.equal(loaded[1], torch.ones(2, BLOCK, 16))
+    by_map = gates.load_gates(_model(), path, strict=True,
+                              tensor_names={i: f"model.layers.{i}.self_attn.attn_gate_weight" for i in range(2)})
+    assert torch.equal(by_map[0], loaded[0])
+
+
+def test_non_finite_gate_rejected(tmp_path):
+    path = tmp_path / "nan.safetensors"
+    save_file({"layers.0.gate_weight": torch.full((2, BLOCK, 16), float("nan"))}, str(path))
+    with pytest.raises(gates.GateFileError, match="NaN or infinite"):
+        gates.load_gates(_model(), path, strict=True)
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    model = _model()
+    first = _random_gates(model, seed=1)
+    gates.set_gates(model, first)
+    path = gates.save_gates(model, tmp_path)
+    gates.set_gates(model, _random_gates(model, seed=2))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        gates.save_gates(model, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [gates.GATE_FILENAME]
+    assert torch.equal(gates.read_gate_file(path, gates.gate_spec(model))[0], first[0])
+
+
+def test_save_alongside_and_autoload_from_the_model_folder(tmp_path, caplog):
+    model = _model()
+    assert gates.save_gates_alongside(model, tmp_path / "none") is None, "no gates attached: nothing written"
+    with pytest.raises(ValueError, match="no gates attached"):
+        gates.save_gates(model, tmp_path / "none")
+    gates.set_gates(model, _random_gates(model))
+    model.save_pretrained(tmp_path / "saved")  # writes the gate file beside the weights
+    assert (tmp_path / "saved" / gates.GATE_FILENAME).is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="plas")
+    assert reloaded.config.hf_sparse["block_size"] == BLOCK
+    attached = gates.get_gates(reloaded)  # picked up by from_pretrained itself
+    assert attached.keys() == gates.get_gates(model).keys()
+    assert all(torch.equal(attached[i], w) for i, w in gates.get_gates(model).items())
+    assert gates.get_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa")) == {}
+    loaded = gates.autoload_gates(reloaded)
+    assert all(torch.equal(loaded[i], w) for i, w in gates.get_gates(model).items())
+
+    caplog.set_level(logging.WARNING)
+    (tmp_path / "saved" / gates.GATE_FILENAME).unlink()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="plas")
+    assert len(_warnings(caplog)) == 1, "from_pretrained warns once about the missing gate file"
+    caplog.clear()
+    assert gates.autoload_gates(plain) == {} and gates.get_gates(plain) == {}
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and str(tmp_path / "saved" / gates.GATE_FILENAME) in warnings[0]
+
+
+def test_gates_stay_out_of_the_state_dict():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gates.set_gates(model, _random_gates(model))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    gates.set_gates(model, None)
+    assert gates.get_gates(model) == {}

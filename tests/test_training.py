@@ -1,0 +1,201 @@
+"""Gate distillation: the objective against a brute-force spec, and training on SmolLM2 (small settings)."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import os
+import signal
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from hf_sparse import gates, training
+from hf_sparse.cli import main as cli_main
+
+from conftest import build, tiny_config
+
+SEQ = 256
+BLOCK = 64
+LAYERS = (2, 3)
+
+
+def _brute_force_loss(query, key, gate, block_size, scale, sink_blocks):
+    """The objective written out one query at a time (the spec ``gate_distillation_loss`` must match)."""
+    _, q_heads, length, dim = query.shape
+    group = q_heads // key.shape[1]
+    total, count = 0.0, 0
+    for h in range(q_heads):
+        k = key[0, h // group].double()
+        num_blocks = math.ceil(length / block_size)
+        summaries = []
+        for j in range(num_blocks):
+            block = k[j * block_size : (j + 1) * block_size]
+            if gate is None:
+                summaries.append(block.mean(0))
+            else:
+                summaries.append((block * gate[h // group, : block.shape[0]].double()).sum(0))
+        summaries = torch.stack(summaries)
+        for i in range(block_size, length):
+            q = query[0, h, i].double()
+            probs = torch.softmax(k[: i + 1] @ q * scale, dim=0)
+            blocks = list(range(i // block_size + 1))
+            if sink_blocks is not None:  # PLAS always attends these: not ranked by the gate
+                blocks = [j for j in blocks if j >= sink_blocks and j != i // block_size]
+            if len(blocks) < 2:
+                continue
+            target = torch.stack([probs[j * block_size : (j + 1) * block_size].max() for j in blocks])
+            target = target / target.sum()
+            log_pred = torch.log_softmax(summaries[blocks] @ q * scale, dim=0)
+            total += float((target * (target.log() - log_pred)).sum())
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("sink_blocks", [None, 1])
+def test_objective_matches_brute_force(gated, sink_blocks):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 72, 8, generator=generator)
+    key = torch.randn(1, 2, 72, 8, generator=generator)
+    gate = torch.rand(2, 16, 8, generator=generator) / 16 if gated else None
+    loss = training.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks)
+    assert loss.item() > 0
+    assert loss.item() == pytest.approx(_brute_force_loss(query, key, gate, 16, 0.5, sink_blocks), rel=1e-5)
+
+
+def test_gradient_reaches_only_the_gate():
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 64, 8, generator=generator, requires_grad=True)
+    key = torch.randn(1, 2, 64, 8, generator=generator, requires_grad=True)
+    gate = torch.full((2, 16, 8), 1 / 16, requires_grad=True)
+    training.gate_distillation_loss(query.detach(), key.detach(), gate, 16, scale=0.5).backward()
+    assert gate.grad is not None and torch.isfinite(gate.grad).all() and gate.grad.abs().sum() > 0
+    assert query.grad is None and key.grad is None
+
+
+def _texts() -> list[str]:
+    root = os.path.dirname(transformers.__file__)
+    return training.read_text_files(sorted(glob.glob(os.path.join(root, "models", "llama", "*.py"))))
+
+
+def _weights_hash(model) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _config(**overrides) -> training.GateTrainingConfig:
+    settings = dict(seq_length=SEQ, block_size=BLOCK, layers=LAYERS, max_tokens=SEQ * 10, learning_rate=2e-3,
+                    warmup_steps=2, checkpoint_every=3, seed=0)
+    settings.update(overrides)
+    return training.GateTrainingConfig(**settings)
+
+
+def test_training_on_smollm2_lowers_the_loss_and_leaves_the_model_alone(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    before = _weights_hash(model)
+    requires_grad = [p.requires_grad for p in model.parameters()]
+    sequences = training.pack_sequences(training.token_stream(_texts(), tokenizer, 4 * SEQ), SEQ)
+    assert sequences.shape == (4, SEQ)
+    # 4 epochs over 4 sequences: each epoch sees every sequence once (seeded order), so epoch means compare.
+    result = training.train_gates(model, sequences, _config(max_tokens=SEQ * 16), output_dir=tmp_path, progress=False)
+    try:
+        assert _weights_hash(model) == before, "model weights unchanged"
+        assert [p.requires_grad for p in model.parameters()] == requires_grad
+        assert model.config._attn_implementation == "sdpa"
+        assert result.steps == 16 and len(result.losses) == 16 and sorted(result.gates) == list(LAYERS)
+        epochs = [sum(result.losses[i : i + 4]) / 4 for i in range(0, 16, 4)]
+        assert epochs[-1] < 0.5 * epochs[0], f"loss per epoch {epochs}"
+        assert result.path == tmp_path / gates.GATE_FILENAME
+        on_disk = gates.read_gate_file(result.path, gates.gate_spec(model, BLOCK))
+        assert all(torch.equal(on_disk[i], result.gates[i]) for i in LAYERS)
+        assert all(torch.equal(gates.get_gates(model)[i], result.gates[i]) for i in LAYERS), "attached"
+    finally:
+        gates.set_gates(model, None)
+
+
+def _file_contents(path) -> tuple[dict, dict]:
+    """Metadata and tensor bytes of a safetensors file (its header's key order is not stable across writes)."""
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata(), {name: handle.get_tensor(name).numpy().tobytes() for name in handle.keys()}
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_interrupted_runs_resume_to_the_uninterrupted_result(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    texts = _texts()
+    try:
+        reference = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
+                                         progress=False)
+
+        def crash_at_5(step, loss):  # a hard failure: everything after the step-3 checkpoint is redone
+            if step == 5:
+                raise _Crash
+
+        with pytest.raises(_Crash):
+            training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+                                 progress=False, on_step=crash_at_5)
+        resumed = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+                                       progress=False)
+        assert resumed.resumed_from == 3
+
+        def interrupt_at_4(step, loss):  # Ctrl-C: handled between steps, checkpointed, nothing lost
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        with pytest.raises(KeyboardInterrupt, match="interrupted after step 4"):
+            training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
+                                 progress=False, on_step=interrupt_at_4)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "handler restored"
+        interrupted = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
+                                           progress=False)
+        assert interrupted.resumed_from == 4
+        for run in (resumed, interrupted):
+            assert run.losses == reference.losses
+            assert all(torch.equal(run.gates[i], reference.gates[i]) for i in LAYERS)
+            assert _file_contents(tmp_path / "a" / gates.GATE_FILENAME) == _file_contents(run.path)
+
+        with pytest.raises(ValueError, match="learning_rate: 0.002 -> 0.001"):
+            training.train_gates(model, texts, _config(learning_rate=1e-3), tokenizer=tokenizer,
+                                 output_dir=tmp_path / "a", progress=False)
+        other_seed = training.train_gates(model, texts, _config(seed=1), tokenizer=tokenizer, progress=False)
+        assert not torch.equal(other_seed.gates[LAYERS[0]], reference.gates[LAYERS[0]]), "the seed sets the data order"
+    finally:
+        gates.set_gates(model, None)
+
+
+def test_cli_train_gates(smollm2, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, text in enumerate(_texts()):
+        (data / f"part{i}.py").write_text(text)
+    out = tmp_path / "out"
+    code = cli_main(["train-gates", "--model", "default", "--data", str(data), "--tokens", str(3 * SEQ),
+                     "--out", str(out), "--seq-length", str(SEQ), "--block-size", str(BLOCK), "--layers", "0",
+                     "--checkpoint-every", "2", "--no-progress"])
+    assert code == 0
+    assert "trained 1 layer gate(s) on 768 tokens in 3 steps" in capsys.readouterr().out
+    model, _ = smollm2
+    written = gates.read_gate_file(out / gates.GATE_FILENAME, gates.gate_spec(model, BLOCK))
+    assert sorted(written) == [0]
+    assert (out / training.CHECKPOINT_FILENAME).is_file()
+
+
+def test_evaluate_gates_mean_pooling_equals_constant_gates():
+    model = build(tiny_config(layers=2), "sdpa")
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    constant = gates.mean_pooling_gates(model, block_size=16)
+    constant[1] = torch.full_like(constant[0], 1 / 16)
+    a = training.evaluate_gates(model, ids, None, layers=[0, 1], block_size=16)
+    b = training.evaluate_gates(model, ids, constant, layers=[0, 1], block_size=16)
+    assert a.kl == pytest.approx(b.kl, rel=1e-5) and a.recall == pytest.approx(b.recall, rel=1e-6)
+    assert 0 < a.recall <= a.oracle_recall <= 1 + 1e-6 and 0 <= a.top1 <= 1 and 0 < a.density <= 1
+    assert set(a.per_layer) == {0, 1}
