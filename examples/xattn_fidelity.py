@@ -11,26 +11,16 @@ pass-key question of examples/generate.py with dense and with each sparse settin
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import os
 import sysconfig
 import time
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse
-from hf_sparse.attention import sparse_attention_forward
-from hf_sparse.config import CONFIG_KEY, XAttnConfig
+from hf_sparse.config import XAttnConfig
 from hf_sparse.default_model import load_default_model
-from hf_sparse.integration import padding_mask
-
-# Until attn_implementation="xattn" is wired in integration.py, run the method under a local name.
-IMPL = "xattn_example"
-AttentionInterface.register(IMPL, functools.partial(sparse_attention_forward, method="xattn"))
-AttentionMaskInterface.register(IMPL, padding_mask)
 
 
 def stdlib_text(min_chars: int) -> str:
@@ -50,8 +40,7 @@ def use(model, config: XAttnConfig | None) -> None:
     if config is None:
         model.set_attn_implementation("sdpa")
         return
-    setattr(model.config, CONFIG_KEY, config.to_dict())
-    model.set_attn_implementation(IMPL)
+    hf_sparse.configure(model, config)
 
 
 @torch.no_grad()

@@ -30,8 +30,58 @@ def _as_range(name: str, value: Any) -> tuple[int, int]:
     return left, right
 
 
+def _as_layers(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)):
+        raise ValueError(f"dense_layers must be a tuple of layer indices, got {value!r}")
+    return tuple(_as_int("dense_layers", i) for i in value)
+
+
+def _as_dense_below(value: Any, pair_allowed: bool = True) -> int | tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)) and pair_allowed:
+        if len(value) != 2:
+            raise ValueError(f"dense_below must be an int, a (prefill, decode) pair or None, got {value!r}")
+        value = tuple(_as_int("dense_below", v) for v in value)
+        values = value
+    else:
+        values = (_as_int("dense_below", value),)
+    if min(values) < 0:
+        raise ValueError(f"dense_below must be >= 0, got {value!r}")
+    return value
+
+
+class _MethodConfig:
+    """Shared behaviour of the method dataclasses: dense-layer lookup and the dict form kept in ``model.config``."""
+
+    dense_layers: tuple[int, ...]
+
+    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
+        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (the form stored in ``model.config``)."""
+        data = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        data = dict(data)
+        expected = cls.__dataclass_fields__["method"].default
+        method = data.pop("method", expected)
+        if method != expected:
+            raise ValueError(f"not a {cls.__name__} configuration: method={method!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
 @dataclass
-class PLASConfig:
+class PLASConfig(_MethodConfig):
     """PLAS sparse attention settings.
 
     Attributes:
@@ -65,19 +115,8 @@ class PLASConfig:
         self.decode_top_k = _as_range("decode_top_k", self.decode_top_k)
         if _as_int("query_union", self.query_union) < 1:
             raise ValueError(f"query_union must be >= 1, got {self.query_union}")
-        if not isinstance(self.dense_layers, (tuple, list)):
-            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
-        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
-        if self.dense_below is not None:
-            if isinstance(self.dense_below, (tuple, list)):
-                if len(self.dense_below) != 2:
-                    raise ValueError(f"dense_below must be an int, a (prefill, decode) pair or None, got {self.dense_below!r}")
-                self.dense_below = tuple(_as_int("dense_below", v) for v in self.dense_below)
-                values = self.dense_below
-            else:
-                values = (_as_int("dense_below", self.dense_below),)
-            if min(values) < 0:
-                raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        self.dense_layers = _as_layers(self.dense_layers)
+        self.dense_below = _as_dense_below(self.dense_below)
         if _as_int("sink_blocks", self.sink_blocks) < 0:
             raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
         if not 1 <= _as_int("search_steps", self.search_steps) <= 64:
@@ -94,28 +133,6 @@ class PLASConfig:
         if isinstance(self.dense_below, tuple):
             return self.dense_below[0 if phase == "prefill" else 1]
         return self.dense_below
-
-    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
-        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict (the form stored in ``model.config``)."""
-        data = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PLASConfig":
-        """Inverse of :meth:`to_dict`; unknown keys raise."""
-        data = dict(data)
-        method = data.pop("method", "plas")
-        if method != "plas":
-            raise ValueError(f"not a PLAS configuration: method={method!r}")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown PLASConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
     @classmethod
     def from_fastdeploy(cls, options: Mapping[str, Any]) -> "PLASConfig":
@@ -151,7 +168,7 @@ class PLASConfig:
 
 
 @dataclass
-class XAttnConfig:
+class XAttnConfig(_MethodConfig):
     """XAttention sparse attention settings (antidiagonal block scoring, cumulative-mass threshold).
 
     Attributes:
@@ -215,19 +232,8 @@ class XAttnConfig:
         for name in ("keep_sink", "keep_diagonal"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.dense_layers, (tuple, list)):
-            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
-        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
-        if self.dense_below is not None:
-            if isinstance(self.dense_below, (tuple, list)):
-                if len(self.dense_below) != 2:
-                    raise ValueError(f"dense_below must be an int, a (prefill, decode) pair or None, got {self.dense_below!r}")
-                self.dense_below = tuple(_as_int("dense_below", v) for v in self.dense_below)
-                values = self.dense_below
-            else:
-                values = (_as_int("dense_below", self.dense_below),)
-            if min(values) < 0:
-                raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        self.dense_layers = _as_layers(self.dense_layers)
+        self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:
             prefill_chunk = _as_int("prefill_chunk", self.prefill_chunk)
             if prefill_chunk < block_size or prefill_chunk % block_size:
@@ -249,31 +255,9 @@ class XAttnConfig:
             return self.dense_below[0 if phase == "prefill" else 1]
         return self.dense_below
 
-    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
-        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict (the form stored in ``model.config``)."""
-        data = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "XAttnConfig":
-        """Inverse of :meth:`to_dict`; unknown keys raise."""
-        data = dict(data)
-        method = data.pop("method", "xattn")
-        if method != "xattn":
-            raise ValueError(f"not an XAttention configuration: method={method!r}")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown XAttnConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
-
 
 @dataclass
-class StarConfig:
+class StarConfig(_MethodConfig):
     """Star Attention settings (two phases: blockwise context encoding with an anchor, then global attention).
 
     Attributes:
@@ -310,11 +294,8 @@ class StarConfig:
             )
         if _as_int("query_tokens", self.query_tokens) < 0:
             raise ValueError(f"query_tokens must be >= 0, got {self.query_tokens}")
-        if not isinstance(self.dense_layers, (tuple, list)):
-            raise ValueError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
-        self.dense_layers = tuple(_as_int("dense_layers", i) for i in self.dense_layers)
-        if self.dense_below is not None and _as_int("dense_below", self.dense_below) < 0:
-            raise ValueError(f"dense_below must be >= 0 or None, got {self.dense_below!r}")
+        self.dense_layers = _as_layers(self.dense_layers)
+        self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
 
     @property
     def kernel_block_size(self) -> int:
@@ -328,28 +309,6 @@ class StarConfig:
     def dense_threshold(self, phase: str) -> int:
         """Context length below which attention runs dense (the same for every phase)."""
         return self.block_size if self.dense_below is None else self.dense_below
-
-    def is_dense_layer(self, layer_idx: int, num_layers: int) -> bool:
-        """Whether ``layer_idx`` is listed in ``dense_layers`` (negative entries count from the end)."""
-        return any(layer_idx == (i if i >= 0 else num_layers + i) for i in self.dense_layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict (the form stored in ``model.config``)."""
-        data = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StarConfig":
-        """Inverse of :meth:`to_dict`; unknown keys raise."""
-        data = dict(data)
-        method = data.pop("method", "star")
-        if method != "star":
-            raise ValueError(f"not a Star Attention configuration: method={method!r}")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown StarConfig field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 #: Configuration class of each method name (the attn_implementation it registers).

@@ -66,7 +66,7 @@ def test_dict_round_trip_and_unknown_keys():
     assert data["method"] == "xattn" and XAttnConfig.from_dict(data) == config
     with pytest.raises(ValueError, match="unknown XAttnConfig field"):
         XAttnConfig.from_dict({"treshold": 0.9})
-    with pytest.raises(ValueError, match="not an XAttention configuration"):
+    with pytest.raises(ValueError, match="not a XAttnConfig configuration"):
         XAttnConfig.from_dict({"method": "plas"})
 
 
