@@ -32,7 +32,8 @@ def test_config_defaults_and_registry():
     assert config.keep_sink and config.keep_diagonal and config.dense_layers == (-1,)
     assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 8 * 128
     assert XAttnConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
-    assert config.mass_threshold("decode") == 0.9
+    assert config.mass_threshold("decode") == 0.99
+    assert XAttnConfig(decode_threshold=None).mass_threshold("decode") == 0.9
     assert XAttnConfig(decode_threshold=0.99).mass_threshold("decode") == 0.99
     assert config.is_dense_layer(29, 30) and not config.is_dense_layer(0, 30)
     assert METHODS["xattn"] is XAttnMethod
@@ -227,7 +228,7 @@ def test_decode_selection_threshold_on_block_summaries():
     summaries = ref.block_summaries(key, None, kv_start, 16)
     query = torch.randn(2, 4, 1, 16)
     args = dict(scale=0.25, q_offset=199, kv_start=kv_start)
-    sparse = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.5)).select_decode(query, summaries, key, **args)
+    sparse = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=None)).select_decode(query, summaries, key, **args)
     full_config = XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=1.0)
     full = XAttnMethod(full_config).select_decode(query, summaries, key, **args)
     assert sparse.num_heads == 2 and sparse.num_query_tiles == 1 and sparse.query_tile == 1
@@ -283,7 +284,8 @@ def test_prefill_in_two_calls_equals_sdpa_at_full_density():
 
 def test_left_padded_batch_equals_each_prompt_alone():
     model = xattn_model(tiny_config("llama", 6, 2),
-                        XAttnConfig(block_size=16, stride=4, threshold=0.3, dense_below=0, dense_layers=()))
+                        XAttnConfig(block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
+                                    dense_layers=()))
     torch.manual_seed(8)
     long_ids, short_ids = torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 219))
     batch = torch.zeros(2, 300, dtype=torch.long)
