@@ -10,7 +10,13 @@ block has a random direction its keys lean to; queries lean to a "topic" directi
 GQA group (plus a per-head part) that changes every 2048 tokens, with small per-token noise (5%). With i.i.d. random q/k
 every block scores alike and the union over 128 queries is nearly dense; that density is printed too.
 
-Run on a GPU:  python benchmarks/bench_attention.py  [--tune] [--json out.json]
+XAttention prefill (``--xattn [LENGTHS]``, default 32768 131072): the same structured inputs, selection by
+``XAttnMethod.select_prefill`` (antidiagonal scores, Triton, + cumulative-mass threshold 0.9, PyTorch; stride 8,
+block 128, gqa_reduce "any": one selection row per KV head), then the same sparse attention kernel; SDPA and
+FlexAttention (same block mask) beside it.
+
+Run on a GPU:  python benchmarks/bench_attention.py  [--tune] [--xattn [LENGTHS]] [--json out.json]
+(``--prefill --decode --xattn`` runs the XAttention rows alone.)
 Medians of triton.testing.do_bench (L2 flushed before every run). Prints one table.
 """
 from __future__ import annotations
@@ -181,6 +187,69 @@ def prefill_row(length: int, flex, tune: bool) -> dict:
     return row
 
 
+def xattn_row(length: int, flex, threshold: float = 0.9, stride: int = 8) -> dict:
+    """XAttention prefill on the structured inputs: scoring (XAttnMethod.select_prefill) + sparse attention."""
+    from hf_sparse.config import XAttnConfig
+    from hf_sparse.methods.xattn import XAttnMethod
+
+    query, key, value = structured_qkv(1, length, length, structured=True)
+    kv_start = torch.zeros(1, dtype=torch.int64, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    config = XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold)
+    method = XAttnMethod(config)
+
+    def select(q=query, k=key):
+        return method.select_prefill(q, None, k, scale=scale, q_offset=0, kv_start=kv_start)
+
+    def scores():  # the Triton scoring kernel alone, all tiles in one launch
+        return kernels.antidiagonal_block_scores(query, key, scale=scale, q_offset=0, kv_start=kv_start,
+                                                 block_size=BLOCK, stride=stride)
+
+    def attend(selection):
+        return kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=0, kv_start=kv_start)
+
+    selection = select()
+    num_tiles = selection.num_query_tiles
+    causal_blocks = (torch.arange(num_tiles) + 1).sum().item() * KV_HEADS
+    group = Q_HEADS // KV_HEADS
+    row = {"method": "xattn", "length": length, "threshold": threshold, "stride": stride,
+           "density": selection.counts.sum().item() / causal_blocks,
+           "mean_blocks": selection.counts.float().mean().item()}
+    out, _ = attend(selection)
+    if length <= 32768:  # the PyTorch reference on the same selection (too slow beyond)
+        expected, _ = ref.sparse_attention(query[:, :, -2048:], key, value, selection_tail(selection, 2048, length),
+                                           scale=scale, q_offset=length - 2048, kv_start=kv_start)
+        tail = out[:, :, -2048:].float()
+        row["rel_error_last_2048"] = ((tail - expected.float()).norm() / expected.float().norm()).item()
+    del out
+    row["score_kernel_ms"] = median_ms(scores)
+    row["select_ms"] = median_ms(select)  # scores (in prefill_chunk pieces) + threshold + GQA union + indices
+    row["sparse_ms"] = median_ms(lambda: attend(selection))
+    row["sparse_total_ms"] = median_ms(lambda: attend(select()))
+    flops = 4 * BLOCK * BLOCK * HEAD_DIM * selection.counts.sum().item() * group
+    row["sparse_tflops"] = flops / row["sparse_ms"] / 1e9
+    row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(query, key, value, causal=True)
+    if flex is not None:
+        per_query_head = BlockSelection.from_mask(
+            selection.to_mask(triton.cdiv(length, BLOCK)).repeat_interleave(group, 1), BLOCK, BLOCK)
+        block_mask = flex_block_mask(per_query_head, length, length)
+        row["flex_ms"] = median_ms(lambda: flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True))
+        del block_mask, per_query_head
+    # density on i.i.d. random q/k (no structure)
+    q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
+    row["iid_density"] = select(q_iid, k_iid).counts.sum().item() / causal_blocks
+    del query, key, value, q_iid, k_iid, selection
+    torch.cuda.empty_cache()
+    return row
+
+
+def selection_tail(selection: BlockSelection, num_queries: int, length: int) -> BlockSelection:
+    """The rows of the last ``num_queries`` queries (whole tiles) of a prefill selection."""
+    first = (length - num_queries) // selection.query_tile
+    return BlockSelection(selection.indices[:, :, first:], selection.counts[:, :, first:], selection.block_size,
+                          selection.query_tile)
+
+
 def tune_prefill(selection, attend) -> list:
     prefill_mod = importlib.import_module("hf_sparse.kernels.sparse_prefill")  # the module, not kernels.<op>
 
@@ -290,6 +359,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768, 131072])
     parser.add_argument("--decode", type=int, nargs="*", default=[32768, 131072])
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--xattn", type=int, nargs="*", default=None,
+                        help="also XAttention prefill rows at these lengths (no value: 32768 131072)")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time kernel launch-setting variants")
     parser.add_argument("--json", help="write all numbers here")
@@ -301,7 +372,7 @@ def main() -> None:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention)
 
-    prefill_rows, decode_rows = [], []
+    prefill_rows, decode_rows, xattn_rows = [], [], []
     for length in args.prefill:
         prefill_rows.append(prefill_row(length, flex, args.tune and length == args.prefill[-1]))
         print(json.dumps(prefill_rows[-1]), file=sys.stderr, flush=True)
@@ -315,6 +386,9 @@ def main() -> None:
         print(json.dumps(prefill_rows[-1]["select_tuning"]), file=sys.stderr, flush=True)
         del query, key, summ
         torch.cuda.empty_cache()
+    for length in ([32768, 131072] if args.xattn == [] else args.xattn or []):
+        xattn_rows.append(xattn_row(length, flex))
+        print(json.dumps(xattn_rows[-1]), file=sys.stderr, flush=True)
     for length in args.decode:
         for batch in args.decode_batches:
             decode_rows.append(decode_row(length, batch, args.tune and length == args.decode[-1]))
@@ -324,11 +398,12 @@ def main() -> None:
     header = (f"{device} | torch {torch.__version__} | triton {triton.__version__} | {datetime.date.today()} | "
               f"Llama-3-8B attention: {Q_HEADS} q heads, {KV_HEADS} kv heads, d={HEAD_DIM}, bf16, block {BLOCK}")
     print("\n" + header)
-    print(f"prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} per query, union over 128 queries; "
-          "medians in ms")
-    print(f"{'length':>7} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | {'Flex':>7} | {'summ':>6} "
-          f"{'select':>6} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} {'total/Flex':>10} "
-          f"{'Flex/attend':>11}")
+    if prefill_rows:
+        print(f"prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} per query, union over 128 "
+              "queries; medians in ms")
+        print(f"{'length':>7} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | {'Flex':>7} | {'summ':>6} "
+              f"{'select':>6} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} {'total/Flex':>10} "
+              f"{'Flex/attend':>11}")
     for r in prefill_rows:
         flex_ms = r.get("flex_ms", float("nan"))
         print(f"{r['length']:>7} {r['density']:>7.3f} {r['iid_density']:>8.3f} | {r['sdpa_ms']:>8.2f} "
@@ -336,12 +411,28 @@ def main() -> None:
               f"{r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
               f"{r['sdpa_ms'] / r['sparse_total_ms']:>9.2f}x {r['sparse_total_ms'] / flex_ms:>9.2f}x "
               f"{flex_ms / r['sparse_ms']:>10.2f}x")
-    print(f"decode, 1 query, top-k {DECODE_TOP_K[0]}..{DECODE_TOP_K[1]} per head, union over the GQA group; "
-          "medians in us; GB/s on bytes actually read. eager: launched from Python, L2 flushed; "
-          "graph: CUDA-graph replays (GPU time)")
-    print(f"{'length':>7} {'batch':>5} {'density':>7} | {'SDPA':>7} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} {'ratio':>6} | "
-          f"{'SDPA':>7} {'GB/s':>5} {'select':>6} {'attend':>6} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} {'ratio':>6}")
-    print(f"{'':>7} {'':>5} {'':>7} | {'eager':>35} | {'graph':>61}")
+    if xattn_rows:
+        print("XAttention prefill, batch 1, causal, threshold 0.9, stride 8, one selection per KV head (any head of "
+              "the group); medians in ms; score = Triton scoring kernel alone, select = select_prefill (scores in "
+              "16K-query chunks + threshold + GQA union)")
+        print(f"{'length':>7} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | {'Flex':>7} | "
+              f"{'score':>6} {'select':>7} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} "
+              f"{'total/Flex':>10} {'select/attend':>13}")
+        for r in xattn_rows:
+            flex_ms = r.get("flex_ms", float("nan"))
+            print(f"{r['length']:>7} {r['density']:>7.3f} {r['iid_density']:>8.3f} | {r['sdpa_ms']:>8.2f} "
+                  f"{r['sdpa_backend'][:7]:>7} | {flex_ms:>7.2f} | {r['score_kernel_ms']:>6.2f} {r['select_ms']:>7.2f} "
+                  f"{r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
+                  f"{r['sdpa_ms'] / r['sparse_total_ms']:>9.2f}x {r['sparse_total_ms'] / flex_ms:>9.2f}x "
+                  f"{r['select_ms'] / r['sparse_ms']:>12.2f}x")
+    if decode_rows:
+        print(f"decode, 1 query, top-k {DECODE_TOP_K[0]}..{DECODE_TOP_K[1]} per head, union over the GQA group; "
+              "medians in us; GB/s on bytes actually read. eager: launched from Python, L2 flushed; "
+              "graph: CUDA-graph replays (GPU time)")
+        print(f"{'length':>7} {'batch':>5} {'density':>7} | {'SDPA':>7} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} "
+              f"{'ratio':>6} | {'SDPA':>7} {'GB/s':>5} {'select':>6} {'attend':>6} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} "
+              f"{'ratio':>6}")
+        print(f"{'':>7} {'':>5} {'':>7} | {'eager':>35} | {'graph':>61}")
     for r in decode_rows:
         kv_total = r["kv_bytes"] + r["summary_bytes"]
         print(f"{r['length']:>7} {r['batch']:>5} {r['density']:>7.3f} | {r['sdpa_ms'] * 1e3:>7.1f} "
@@ -362,8 +453,8 @@ def main() -> None:
                   r["tuning"])
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"device": device, "header": header, "prefill": prefill_rows, "decode": decode_rows}, handle,
-                      indent=1)
+            json.dump({"device": device, "header": header, "prefill": prefill_rows, "decode": decode_rows,
+                       "xattn": xattn_rows}, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,22 @@
 Random weights built from a config (no download). Run on a GPU:
     python benchmarks/bench_generate.py --lengths 32768 131072 --new-tokens 128
 Prints one table; TTFT = time of generate(max_new_tokens=1), TPOT = (time(N) - TTFT) / (N - 1), medians
-over --repeats runs.
+over --repeats runs. Peak memory: torch.cuda.max_memory_allocated over the timed runs of that method and length
+(weights included). The PLAS densities come from one more, untimed generate(max_new_tokens=8) under
+record_sparsity() (--no-density skips it).
+
+Inputs: uniformly random token ids by default. With random weights these give i.i.d.-like queries and keys, so
+the PLAS selection united over 128 queries is (nearly) dense and the run measures overhead, not a speed-up.
+``--segment-vocab N`` draws each 2048-token segment from its own N random token ids instead: the queries of a
+tile repeat a few vectors and prefer the blocks of a few segments, a stand-in for the topical structure of real
+text (see docs/benchmarks.md for the densities it gives).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import sys
 import time
 
 import torch
@@ -24,11 +34,26 @@ def llama3_8b_config(layers: int) -> LlamaConfig:
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    # The caches of earlier runs can sit in reference cycles: free them first, or 128K runs run out of memory.
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def input_ids(length: int, segment_vocab: int, segment: int = 2048) -> torch.Tensor:
+    """[1, length] token ids on the GPU: uniform (segment_vocab 0) or, per ``segment`` tokens, drawn from that
+    segment's own ``segment_vocab`` random ids."""
+    generator = torch.Generator().manual_seed(1)
+    if segment_vocab == 0:
+        return torch.randint(0, 128256, (1, length), generator=generator).cuda()
+    segments = -(-length // segment)
+    vocab = torch.randint(0, 128256, (segments, segment_vocab), generator=generator)
+    picks = torch.randint(0, segment_vocab, (segments, segment), generator=generator)
+    return torch.gather(vocab, 1, picks).reshape(1, -1)[:, :length].cuda()
 
 
 def main() -> None:
@@ -37,6 +62,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--segment-vocab", type=int, default=0,
+                        help="distinct token ids per 2048-token segment (0: uniform random ids)")
+    parser.add_argument("--no-density", action="store_true", help="skip the untimed run that records PLAS density")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
@@ -48,7 +76,7 @@ def main() -> None:
     model.generation_config.pad_token_id = 0
     rows = []
     for length in args.lengths:
-        ids = torch.randint(0, 128256, (1, length), device="cuda")
+        ids = input_ids(length, args.segment_vocab)
         results = {}
         for method in ("sdpa", "plas"):
             if method == "plas":
@@ -62,15 +90,26 @@ def main() -> None:
                 total = statistics.median(timed_generate(model, ids, args.new_tokens) for _ in range(args.repeats))
             peak = torch.cuda.max_memory_allocated() / 2**30
             results[method] = (ttft, (total - ttft) / (args.new_tokens - 1), peak)
+            print(f"{length} {method}: TTFT {ttft:.3f} s, total {total:.3f} s, peak {peak:.1f} GiB", file=sys.stderr,
+                  flush=True)
+        densities = (float("nan"), float("nan"))
+        if not args.no_density:  # model is still on plas
+            with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+                timed_generate(model, ids, 8)
+            densities = (recorder.density("prefill"), recorder.density("decode"))
+            print(f"{length} plas density: prefill {densities[0]:.3f}, decode {densities[1]:.3f}", file=sys.stderr,
+                  flush=True)
         (t_d, p_d, m_d), (t_s, p_s, m_s) = results["sdpa"], results["plas"]
-        rows.append((length, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s))
+        rows.append((length, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s, *densities))
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | Llama-3-8B shape, {args.layers} layers, "
-          f"bf16, batch 1, {args.new_tokens} new tokens, medians of {args.repeats}")
+          f"bf16, batch 1, {args.new_tokens} new tokens, medians of {args.repeats}, "
+          f"{'uniform random ids' if not args.segment_vocab else f'{args.segment_vocab} ids per 2048-token segment'}")
     print(f"{'input':>7} | {'TTFT sdpa s':>11} {'TTFT plas s':>11} {'speed-up':>8} | {'TPOT sdpa ms':>12} "
-          f"{'TPOT plas ms':>12} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak plas GiB':>13}")
+          f"{'TPOT plas ms':>12} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak plas GiB':>13} | {'density prefill':>15} "
+          f"{'decode':>6}")
     for r in rows:
         print(f"{r[0]:>7} | {r[1]:>11.3f} {r[2]:>11.3f} {r[3]:>7.2f}x | {r[4]:>12.2f} {r[5]:>12.2f} {r[6]:>7.2f}x | "
-              f"{r[7]:>13.1f} {r[8]:>13.1f}")
+              f"{r[7]:>13.1f} {r[8]:>13.1f} | {r[9]:>15.3f} {r[10]:>6.3f}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,13 @@ ranks' partial attention, so every rank prints the same tokens. The last rank ke
         torchrun --nproc-per-node 2 examples/star_distributed.py --tokens 32768 --block-size 8192 --time-dense
 
 Without torchrun it runs in one process: the reference the distributed tokens must equal (``--save`` writes the
-token ids to compare runs). Uses the embedded SmolLM2-135M-Instruct (trained for 8K tokens: longer inputs are for
-timing, not for answers).
+token ids, and the logits of every generated token, to compare runs). Uses the embedded SmolLM2-135M-Instruct
+(trained for 8K tokens: longer inputs are for timing, not for answers), or with ``--random-model`` a Llama-3.2-1B
+shaped model with random weights (seeded, so every rank builds the same weights) and random token ids: no
+download, for timing and for the 1-process vs n-process comparison (no pass key to answer).
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --nproc-per-node 2 examples/star_distributed.py --random-model --tokens 131072 --block-size 8192
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_sparse  # noqa: F401  (registers attn_implementation="star")
 from hf_sparse import star
@@ -55,6 +61,20 @@ def sync(device: torch.device) -> None:
         dist.barrier()
 
 
+def random_model(device: torch.device, dtype: torch.dtype, seed: int):
+    """Llama-3.2-1B shaped (hidden 2048, 16 layers, 32 q / 8 kv heads, head dim 64), random weights from ``seed``:
+    built on ``device`` with the same seed on every rank, so all ranks hold the same weights."""
+    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=262144,
+                         rope_theta=500000.0, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="star").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def kv_kept(cache) -> tuple[int, int]:
     """(tokens, bytes) of context KV this rank keeps (keys + values, all layers; storage is allocated in chunks)."""
     tokens = cache.layers[0].get_seq_length()
@@ -69,17 +89,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-dense", action="store_true", help="also time a dense (sdpa) prefill of the context")
-    parser.add_argument("--save", help="write the generated token ids here (rank 0)")
+    parser.add_argument("--save", help="write the generated token ids and logits here (rank 0; torch.save of a dict)")
+    parser.add_argument("--random-model", action="store_true",
+                        help="Llama-3.2-1B shaped model with random weights and random token ids (no download)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 on CUDA, float32 on CPU")
     args = parser.parse_args()
 
     rank, world_size, device = setup()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, tokenizer = load_default_model(attn_implementation="star", dtype=dtype, device=str(device))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = StarConfig(block_size=args.block_size, anchor_size=args.anchor_size)
-    prompt, key = passkey_prompt(tokenizer, args.tokens, args.seed)
-    cut = prompt.index(QUESTION)
-    context = tokenizer(prompt[:cut], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-    query = tokenizer(prompt[cut:], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    if args.random_model:
+        model, tokenizer, key = random_model(device, dtype, args.seed), None, None
+        weights = sum(p.float().sum().item() for p in list(model.parameters())[:4])  # same on every rank
+        ids = torch.randint(0, model.config.vocab_size, (1, args.tokens + 16),
+                            generator=torch.Generator().manual_seed(args.seed + 1))
+        context, query = ids[:, : args.tokens].to(device), ids[:, args.tokens :].to(device)
+        print(f"[rank {rank}] random model, weight checksum {weights:.6f}", flush=True)
+    else:
+        model, tokenizer = load_default_model(attn_implementation="star", dtype=dtype, device=str(device))
+        prompt, key = passkey_prompt(tokenizer, args.tokens, args.seed)
+        cut = prompt.index(QUESTION)
+        context = tokenizer(prompt[:cut], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+        query = tokenizer(prompt[cut:], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     if rank == 0:
         print(f"{world_size} rank(s) on {device.type}, context {context.shape[1]} tokens, query {query.shape[1]}, "
               f"pass key {key}, {config}")
@@ -93,10 +125,12 @@ def main() -> None:
     encoded = star.encode_context(model, context, config=config, reserve_tokens=query.shape[1] + args.new_tokens)
     sync(device)
     phase1 = time.perf_counter() - start
-    output = star.generate_from_context(model, encoded, query, max_new_tokens=args.new_tokens, do_sample=False)
+    output = star.generate_from_context(model, encoded, query, max_new_tokens=args.new_tokens, do_sample=False,
+                                        return_dict_in_generate=True, output_logits=True)
     sync(device)
     phase2 = time.perf_counter() - start - phase1
-    tokens = output[0, query.shape[1]:]
+    tokens = output.sequences[0, query.shape[1]:]
+    logits = torch.stack([step[0].float() for step in output.logits])  # [new tokens, vocab]
     kept_tokens, kept_bytes = kv_kept(encoded.cache)
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
     print(f"[rank {rank}] context tokens {encoded.shard[0]}..{encoded.shard[1]}, context KV kept: "
@@ -109,16 +143,20 @@ def main() -> None:
             model(context, logits_to_keep=1)  # warm-up
             sync_local = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync_local()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            model(context, logits_to_keep=1)
+            model(context, logits_to_keep=1, use_cache=True)
             sync_local()
-        print(f"dense (sdpa) prefill of the context on one device: {time.perf_counter() - start:.3f} s")
+            dense = time.perf_counter() - start
+        peak = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+        print(f"dense (sdpa) prefill of the context on one device: {dense:.3f} s{peak}")
         model.set_attn_implementation("star")
-    if rank == 0:
+    if rank == 0 and tokenizer is not None:
         answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
         print(f"answer {answer!r}: {'correct' if key in answer else 'wrong'}")
-        if args.save:
-            torch.save(tokens.cpu(), args.save)
+    if rank == 0 and args.save:
+        torch.save({"tokens": tokens.cpu(), "logits": logits.cpu()}, args.save)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

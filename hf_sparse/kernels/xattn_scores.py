@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._common import dot_settings
 
@@ -147,15 +148,28 @@ def antidiagonal_block_scores(
     if num_tiles <= 0 or num_blocks <= 0:
         return out
     groups = block_size // stride
-    # About 64 query groups x 128 key groups per step (at least 16 each, as tl.dot needs).
-    tiles = max(1, _ROWS // groups)
-    key_blocks = max(1, _COLUMNS // groups)
-    _antidiagonal_scores_kernel[(triton.cdiv(num_tiles, tiles), batch * q_heads)](
-        query, key, out, kv_start,
-        *query.stride(), *key.stride(), *out.stride(),
-        num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale / stride,
-        Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
-        TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-        DOT_FP32=dot_settings(query.dtype)[0], PRECISION=dot_settings(query.dtype)[1],
-    )
+    dot_fp32, precision = dot_settings(query.dtype)
+    # About 64 query groups x 128 key groups per step (at least 16 each, as tl.dot needs); halved on
+    # OutOfResources (float32 operands at head dim 128 need twice the shared memory of bfloat16 ones).
+    rows, columns = _ROWS, _COLUMNS
+    while True:
+        tiles = max(1, rows // groups)
+        key_blocks = max(1, columns // groups)
+        try:
+            _antidiagonal_scores_kernel[(triton.cdiv(num_tiles, tiles), batch * q_heads)](
+                query, key, out, kv_start,
+                *query.stride(), *key.stride(), *out.stride(),
+                num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale / stride,
+                Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
+                TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
+                DOT_FP32=dot_fp32, PRECISION=precision,
+            )
+            break
+        except OutOfResources:
+            if key_blocks * groups > 16:
+                columns //= 2
+            elif tiles * groups > 16:
+                rows //= 2
+            else:
+                raise
     return out
