@@ -24,7 +24,7 @@ demo: $(STAMP)
 # The suite, then the Triton kernels against their references in Triton's CPU interpreter.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests

@@ -13,8 +13,8 @@ import torch
 from . import reference
 
 __all__ = [
-    "antidiagonal_block_scores", "backend_for", "block_summaries", "merge_lse", "reference", "select_blocks",
-    "sparse_attention",
+    "antidiagonal_block_scores", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
+    "reference", "select_blocks", "sparse_attention",
 ]
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -30,9 +30,10 @@ if _TRITON_AVAILABLE:
         from . import select_blocks as _select_op
         from . import sparse_decode as _decode_op
         from . import sparse_prefill as _prefill_op
+        from . import threshold_select as _threshold_op
         from . import xattn_scores as _xattn_op
 
-        _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op)
+        _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op)
     except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
@@ -77,7 +78,7 @@ def sparse_attention(query, key, value, selection, **kwargs):
     queries (decode, assisted/speculative decoding) runs the split decode kernel, anything else the prefill
     kernel."""
     if backend_for(query) == "triton":
-        _, _, prefill_op, decode_op, _, _ = _TRITON_OPS
+        _, _, prefill_op, decode_op, _, _, _ = _TRITON_OPS
         if selection.num_query_tiles == 1 and query.shape[2] <= decode_op.MAX_DECODE_QUERIES:
             return decode_op.sparse_decode(query, key, value, selection, **kwargs)
         return prefill_op.sparse_prefill(query, key, value, selection, **kwargs)
@@ -96,3 +97,11 @@ def antidiagonal_block_scores(query, key, **kwargs):
     if backend_for(query) == "triton":
         return _TRITON_OPS[5].antidiagonal_block_scores(query, key, **kwargs)
     return reference.antidiagonal_block_scores(query, key, **kwargs)
+
+
+def cumulative_threshold_select(mass, available, forced, threshold):
+    """See :func:`reference.cumulative_threshold_select`. Rows wider than the kernel's ``MAX_BLOCKS`` run the
+    reference (same result)."""
+    if backend_for(mass) == "triton" and mass.shape[-1] <= _TRITON_OPS[6].MAX_BLOCKS:
+        return _TRITON_OPS[6].cumulative_threshold_select(mass, available, forced, threshold)
+    return reference.cumulative_threshold_select(mass, available, forced, threshold)

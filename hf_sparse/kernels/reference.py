@@ -341,27 +341,42 @@ def antidiagonal_block_scores(
     return torch.cat(masses, dim=-1)
 
 
+# Masses are compared as integers in units of 2**-MASS_BITS of the row's largest available mass (see below).
+MASS_BITS = 32
+
+
 def cumulative_threshold_select(
     mass: torch.Tensor, available: torch.Tensor, forced: torch.Tensor, threshold: float
 ) -> torch.Tensor:
     """Per row, the smallest set of blocks whose mass reaches ``threshold`` of the row's available mass.
 
-    ``mass`` is ``[..., nb]`` (non-negative); ``available`` and ``forced`` are boolean and broadcast to it.
-    The forced blocks (those available) are kept first and their mass counted; the other available blocks
-    follow in descending mass, each kept while the mass kept before it is below ``threshold * total``
-    (ties: lower block id first). ``threshold >= 1`` keeps every available block. Returns a boolean mask.
+    ``mass`` is ``[..., nb]`` (non-negative, taken as float32); ``available`` and ``forced`` are boolean and
+    broadcast to it. The forced blocks (those available) are kept first and their mass counted; the other
+    available blocks follow in descending mass, each kept while the mass kept before it is below
+    ``threshold * total`` (ties: lower block id first). ``threshold >= 1`` keeps every available block.
+    Returns a boolean mask.
+
+    Masses are first rounded down to fixed point, ``floor(mass * 2**(MASS_BITS - e))`` with ``2**e`` the
+    smallest power of two above the row's largest available mass (``e >= -126``): integers below
+    ``2**MASS_BITS`` whose sums are exact in any order, so the Triton kernel, which sums in another order,
+    selects exactly these blocks. Masses that round down to the same unit (``2**-32`` to ``2**-31`` of the
+    row maximum) tie, so the lower block id goes first; masses below one unit count as zero.
     """
     available = available.expand(mass.shape)
     if threshold >= 1.0:
         return available.clone()
     forced = forced.expand(mass.shape) & available
-    mass = torch.where(available, mass.double(), 0.0)
-    required = threshold * mass.sum(-1, keepdim=True)
-    kept = torch.where(forced, mass, 0.0).sum(-1, keepdim=True)
-    candidates = torch.where(available & ~forced, mass, -1.0)  # non-candidates sort last
+    mass = torch.where(available, mass.float().clamp_min(0.0), 0.0)
+    exponent = torch.frexp(mass.amax(-1, keepdim=True)).exponent.clamp_min(-126)  # row max < 2**exponent
+    # 2**(MASS_BITS - exponent) built from its bits: exact on every backend (pow need not be).
+    scale = ((MASS_BITS - exponent.long() + 1023) << 52).view(torch.float64)
+    units = (mass.double() * scale).long()  # exact product, truncated: 0 <= units < 2**MASS_BITS
+    required = threshold * units.sum(-1, keepdim=True).double()  # sums < 2**53: exact as float64
+    kept = torch.where(forced, units, 0).sum(-1, keepdim=True)
+    candidates = torch.where(available & ~forced, units, -1)  # non-candidates sort last
     ordered, order = torch.sort(candidates, dim=-1, descending=True, stable=True)
-    cumulative = ordered.clamp_min(0.0).cumsum(-1)
-    before = kept + torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
-    take = (before < required) & (ordered >= 0.0)
+    cumulative = ordered.clamp_min(0).cumsum(-1)
+    before = kept + cumulative - ordered.clamp_min(0)  # mass kept before each candidate
+    take = (before.double() < required) & (ordered >= 0)
     chosen = torch.zeros_like(take).scatter_(-1, order, take)
     return chosen | forced

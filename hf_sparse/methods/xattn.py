@@ -44,7 +44,7 @@ class XAttnMethod:
                 stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
             )
             available, forced = self._tile_blocks(num_queries, q_offset, kv_start, first_tile, count, num_blocks)
-            chosen = reference.cumulative_threshold_select(
+            chosen = kernels.cumulative_threshold_select(
                 mass, available[:, None], forced[:, None], config.mass_threshold("prefill")
             )
             mask[:, :, first_tile : first_tile + count] = self._reduce_group(chosen, kv_heads)
@@ -70,7 +70,7 @@ class XAttnMethod:
             forced |= block_ids[None, None, :] == own_block[..., None]
         if config.keep_sink:
             forced |= (block_ids == 0)[None, None, :]
-        chosen = reference.cumulative_threshold_select(
+        chosen = kernels.cumulative_threshold_select(
             probs, available[:, None], forced[:, None], config.mass_threshold("decode")
         )
         # One row per KV head shared by every query of the call: union over queries and the group's heads.
