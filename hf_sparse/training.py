@@ -619,9 +619,12 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--lr", type=float, default=GateTrainingConfig.learning_rate)
+    parser.add_argument("--warmup-steps", type=int, default=GateTrainingConfig.warmup_steps)
     parser.add_argument("--block-size", type=int, default=None, help="default: the model's PLASConfig.block_size")
     parser.add_argument("--layers", default=None, help="comma-separated layer indices (default: all sparse layers)")
-    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--query-chunk", type=int, default=GateTrainingConfig.query_chunk,
+                        help="queries whose dense attention is materialised at once (bounds memory)")
+    parser.add_argument("--checkpoint-every", type=int, default=GateTrainingConfig.checkpoint_every)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -648,8 +651,9 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     layers = tuple(int(i) for i in args.layers.split(",") if i) if args.layers else None
     config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
-                                learning_rate=args.lr, block_size=args.block_size, layers=layers,
-                                checkpoint_every=args.checkpoint_every, seed=args.seed)
+                                learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
+                                layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
+                                seed=args.seed)
     texts = read_text_files(args.data)
     result = train_gates(model, texts, config, tokenizer=tokenizer, output_dir=args.out, overwrite=args.overwrite,
                          progress=not args.no_progress)
