@@ -345,3 +345,47 @@ def test_dispatch_runs_triton_and_matches_reference(monkeypatch, num_queries):
     torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
     finite = torch.isfinite(lse)
     torch.testing.assert_close(merged_lse[finite], lse[finite] + math.log(2), atol=1e-5, rtol=1e-5)
+
+
+# -- sparse attention features: logN scaling, per-request skip -------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op, num_queries, splits", [("sparse_prefill", None, None), ("sparse_prefill", "chunk", None),
+                                                     ("sparse_decode", 1, None), ("sparse_decode", 3, 2),
+                                                     ("sparse_decode", 1, 1)])
+@pytest.mark.parametrize("logn, skip_rows", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]])
+def test_sparse_attention_logn_and_skip(size, op, num_queries, splits, logn, skip_rows, shape):
+    """logN-scaled scores (per query position) and skipped rows, whose poisoned outputs must stay poisoned."""
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed(op, num_queries, splits, logn, skip_rows, shape))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    num_queries = {None: length, "chunk": d["chunk"]}.get(num_queries, num_queries)
+    q_offset = length - num_queries
+    decode = op == "sparse_decode"
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen) * 2  # sharper softmax: scaling shows
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, "bnsd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tile = num_queries if decode else d["tile"]
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    selection = random_selection(batch, kv_heads, tiles, num_blocks, block, tile, gen, density=0.4)
+    # logn_base below the lengths so that most positions are scaled (m = 16 tokens small, 1024 large)
+    logn_base = (16 if size == "small" else 1024) if logn else None
+    skip = torch.tensor([i % 2 == 1 for i in range(batch)], device=DEVICE) if skip_rows else None
+    scale = dim ** -0.5
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                      kv_start=kv_start, logn_base=logn_base)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    extra = {"splits": splits} if decode else {}
+    getattr(OPS[op], op)(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                         logn_base=logn_base, skip=skip, out=out, lse=lse, **extra)
+    run = ~skip if skip is not None else torch.ones(batch, dtype=torch.bool, device=DEVICE)
+    assert torch.isnan(out[~run]).all() and torch.isnan(lse[~run]).all(), "a skipped row was written"
+    assert_attention_close(out[run], lse[run], expected_out[run], expected_lse[run], dtype)
+    if logn:  # the reference really scaled: plain attention differs
+        plain, _ = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start)
+        assert rel_err(plain[run], expected_out[run]) > 10 * REL_TOL[dtype]

@@ -189,12 +189,25 @@ def sparse_attention(
     scale: float,
     q_offset: int,
     kv_start: torch.Tensor,
+    logn_base: int | None = None,
+    skip: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the valid, causal slots of its tile's selected row blocks.
 
     Returns the output ``[B, Hq, Sq, Dv]`` in the query dtype and the float32 log-sum-exp ``[B, Hq, Sq]``
     of the scaled scores (``-inf`` where a query sees no slot; its output is zero).
+
+    ``logn_base`` (training length ``m``) turns on logN scaling: the scores of the query at row position
+    ``n`` (1-based, counted from the row's first valid slot) are multiplied by :func:`logn_factors`, i.e.
+    ``max(1, log(n) / log(m))`` as Qwen scales its queries. ``skip`` (``[B]`` bool) marks rows that get no
+    work: their elements of ``out`` / ``lse`` are left as they are (given buffers keep their contents; fresh
+    ones hold zeros and ``-inf`` in the reference, unspecified values in the kernels).
     """
+    if skip is not None:
+        return _sparse_attention_rows(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                      kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse)
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     block_size, query_tile = selection.block_size, selection.query_tile
@@ -206,6 +219,7 @@ def sparse_attention(
     values = value.float().repeat_interleave(group, dim=1)
     indices = selection.indices.repeat_interleave(rows_per_head, dim=1).long()
     counts = selection.counts.repeat_interleave(rows_per_head, dim=1)
+    out_given, lse_given = out, lse
     out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=torch.float32, device=query.device)
     lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
     in_block = torch.arange(block_size, device=query.device)
@@ -228,6 +242,8 @@ def sparse_attention(
         q_slot = q_offset + query_ids  # [B, QT]
         visible = slot_ok[:, :, None, :] & (slot[:, :, None, :] <= q_slot[:, None, :, None])
         scores = torch.matmul(q_tile, keys_sel.transpose(-1, -2)) * scale
+        if logn_base is not None:
+            scores = scores * logn_factors(q_slot - kv_start[:, None], logn_base)[:, None, :, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         tile_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - tile_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
@@ -237,7 +253,42 @@ def sparse_attention(
             ok = query_ok[b]
             out[b, :, query_ids[b, ok]] = tile_out[b, :, ok]
             lse[b, :, query_ids[b, ok]] = tile_lse[b, :, ok]
-    return out.to(query.dtype), lse
+    if out_given is not None:
+        out_given.copy_(out)
+        out = out_given
+    else:
+        out = out.to(query.dtype)
+    if lse_given is not None:
+        lse = lse_given.copy_(lse)
+    return out, lse
+
+
+def logn_factors(row_slot: torch.Tensor, logn_base: int) -> torch.Tensor:
+    """Qwen's logN query scale ``max(1, log(n) / log(m))`` (float32) for 0-based row slots ``n - 1``."""
+    if logn_base < 2:
+        raise ValueError(f"logn_base (the training length) must be >= 2, got {logn_base}")
+    position = (row_slot + 1).clamp_min(1).float()
+    return (torch.log(position) / math.log(logn_base)).clamp_min(1.0)
+
+
+def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, **kwargs):
+    """:func:`sparse_attention` on the rows not in ``skip`` only, written into ``out`` / ``lse``."""
+    batch, q_heads, num_queries = query.shape[:3]
+    if skip.shape != (batch,) or skip.dtype != torch.bool:
+        raise ValueError(f"skip must be a [batch={batch}] bool tensor, got {tuple(skip.shape)} {skip.dtype}")
+    if out is None:
+        out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=query.dtype, device=query.device)
+    if lse is None:
+        lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
+    rows = (~skip).nonzero().flatten().to(query.device)
+    if rows.numel() == 0:
+        return out, lse
+    part = BlockSelection(selection.indices[rows], selection.counts[rows], selection.block_size, selection.query_tile)
+    part_out, part_lse = sparse_attention(query[rows], key[rows], value[rows], part,
+                                          kv_start=kv_start.to(query.device)[rows], **kwargs)
+    out[rows] = part_out.to(out.dtype)
+    lse[rows] = part_lse
+    return out, lse
 
 
 def merge_lse(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
