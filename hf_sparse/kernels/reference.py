@@ -191,6 +191,8 @@ def sparse_attention(
     kv_start: torch.Tensor,
     logn_base: int | None = None,
     skip: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,10 +206,19 @@ def sparse_attention(
     ``max(1, log(n) / log(m))`` as Qwen scales its queries. ``skip`` (``[B]`` bool) marks rows that get no
     work: their elements of ``out`` / ``lse`` are left as they are (given buffers keep their contents; fresh
     ones hold zeros and ``-inf`` in the reference, unspecified values in the kernels).
+
+    int8 K/V (:func:`quantize_per_token`) come with float32 ``key_scale`` / ``value_scale`` ``[B, Hkv, Skv]``:
+    the attention is that of the dequantised ``key * key_scale``, ``value * value_scale``; the output is in
+    the query's dtype.
     """
     if skip is not None:
         return _sparse_attention_rows(query, key, value, selection, scale=scale, q_offset=q_offset,
-                                      kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse)
+                                      kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse,
+                                      key_scale=key_scale, value_scale=value_scale)
+    if (key.dtype == torch.int8) != (key_scale is not None) or (value.dtype == torch.int8) != (value_scale is not None):
+        raise ValueError("int8 key/value need key_scale/value_scale (and scales only go with int8 key/value)")
+    if key_scale is not None:
+        key, value = dequantize_per_token(key, key_scale), dequantize_per_token(value, value_scale)
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     block_size, query_tile = selection.block_size, selection.query_tile
@@ -271,7 +282,22 @@ def logn_factors(row_slot: torch.Tensor, logn_base: int) -> torch.Tensor:
     return (torch.log(position) / math.log(logn_base)).clamp_min(1.0)
 
 
-def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, **kwargs):
+def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantisation of ``[..., S, D]`` states with one float32 scale per (..., token):
+    ``states ~ q * scale[..., None]``, ``scale = max|states| / 127`` over the head dim."""
+    scale = states.detach().float().abs().amax(-1) / 127.0
+    scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+    quantized = torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return quantized, scale
+
+
+def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``quantized * scale[..., None]`` (the inverse of :func:`quantize_per_token`)."""
+    return quantized.float() * scale.float()[..., None]
+
+
+def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, key_scale, value_scale,
+                           **kwargs):
     """:func:`sparse_attention` on the rows not in ``skip`` only, written into ``out`` / ``lse``."""
     batch, q_heads, num_queries = query.shape[:3]
     if skip.shape != (batch,) or skip.dtype != torch.bool:
@@ -284,8 +310,9 @@ def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out,
     if rows.numel() == 0:
         return out, lse
     part = BlockSelection(selection.indices[rows], selection.counts[rows], selection.block_size, selection.query_tile)
+    scales = {} if key_scale is None else {"key_scale": key_scale[rows], "value_scale": value_scale[rows]}
     part_out, part_lse = sparse_attention(query[rows], key[rows], value[rows], part,
-                                          kv_start=kv_start.to(query.device)[rows], **kwargs)
+                                          kv_start=kv_start.to(query.device)[rows], **scales, **kwargs)
     out[rows] = part_out.to(out.dtype)
     lse[rows] = part_lse
     return out, lse

@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 from ..selection import BlockSelection
 from .merge_lse import merge_lse
 from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, feature_args,
-                             heads_per_program, next_power_of_2, wide_offsets)
+                             heads_per_program, next_power_of_2, scale_args, wide_offsets)
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
@@ -30,10 +30,11 @@ TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_on, stride_ob, stride_oh, stride_os, stride_od,
     stride_ln, stride_lb, stride_lh, stride_ls,
     stride_ib, stride_ih, stride_ik,
@@ -44,7 +45,7 @@ def _sparse_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr,
+    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -93,7 +94,9 @@ def _sparse_decode_kernel(
         first_entry, last_entry,
         K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh, V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
         stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN)
+        K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
+        V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT)
     out, lse = _finish(acc, l_i, m_i)
     split64 = split.to(tl.int64)
     tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
@@ -122,6 +125,8 @@ def sparse_decode(
     kv_start: torch.Tensor,
     logn_base: int | None = None,
     skip: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -132,8 +137,9 @@ def sparse_decode(
     ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
     back to the host.
     """
-    check_attention_inputs(query, key, value, selection, kv_start)
+    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
     inv_log_base, skip_flags = feature_args(logn_base, skip, query)
+    key_scale, value_scale = scale_args(key_scale, value_scale, key)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
@@ -172,8 +178,9 @@ def sparse_decode(
             continue
         try:
             _sparse_decode_kernel[(programs, splits)](
-                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags,
-                *query.stride(), *key.stride(), *value.stride(), *part_out.stride(), *part_lse.stride(),
+                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale,
+                *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
+                *part_out.stride(), *part_lse.stride(),
                 *indices.stride(), *counts.stride(),
                 key_length, q_offset, scale * math.log2(math.e), inv_log_base, splits,
                 SEL_HEADS=sel_heads, HEAD_GROUPS=head_groups, HEADS_PER_ROW=heads_per_row,
@@ -182,7 +189,7 @@ def sparse_decode(
                 HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
-                LOGN=logn_base is not None, HAS_SKIP=skip is not None,
+                LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 num_warps=TUNING["num_warps"], num_stages=stages,
             )
             break
