@@ -126,3 +126,25 @@ def test_int8_kv_cache_rejected_for_star_and_logn_unknown_to_star():
         model(torch.randint(3, 128, (1, 40)), past_key_values=cache)
     with pytest.raises(ValueError, match="logn_scaling"):
         hf_sparse.StarConfig.from_dict({"logn_scaling": True})
+
+
+def test_int8_kv_left_padded_batch_equals_each_prompt_alone():
+    """Per-token quantisation does not depend on the batch, and summaries of int8 blocks follow each row's
+    padding: a left-padded batch decodes like each prompt alone (sparse selection, logN on too)."""
+    model = build(tiny_config("llama", 6, 2), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1), decode_top_k=(3, 4),
+                                                    dense_below=0, dense_layers=(), query_union=8,
+                                                    kv_cache_dtype="int8", logn_scaling=True, logn_base=64))
+    torch.manual_seed(5)
+    long_ids, short_ids = torch.randint(3, 128, (1, 200)), torch.randint(3, 128, (1, 141))
+    batch = torch.zeros(2, 200, dtype=torch.long)
+    mask = torch.zeros(2, 200, dtype=torch.long)
+    batch[0], mask[0] = long_ids[0], 1
+    batch[1, 59:], mask[1, 59:] = short_ids[0], 1
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone_long = model.generate(long_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone_short = model.generate(short_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert rec.density("prefill") < 0.8 and rec.density("decode") < 0.8, "selection really was sparse"
+    assert torch.equal(together[0, 200:], alone_long[0, 200:])
+    assert torch.equal(together[1, 200:], alone_short[0, 141:])
