@@ -198,3 +198,39 @@ def test_skipped_rows_are_left_untouched():
     assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
     torch.testing.assert_close(out[~skip], expected_out[~skip])
     torch.testing.assert_close(lse[~skip], expected_lse[~skip])
+
+
+def test_alibi_equals_dense_with_bias():
+    torch.manual_seed(9)
+    batch, q_heads, kv_heads, length, block = 2, 4, 2, 90, 16
+    q, k, v = torch.randn(batch, q_heads, length, 32), torch.randn(batch, kv_heads, length, 32), torch.randn(batch, kv_heads, length, 32)
+    kv_start = torch.tensor([0, 11])
+    slopes = 2.0 ** (-torch.arange(1, q_heads + 1).float())
+    summaries = ref.block_summaries(k, None, kv_start, block)
+    selection = ref.select_blocks(q, summaries, scale=32 ** -0.5, q_offset=0, kv_start=kv_start, block_size=block,
+                                  top_k=(1000, 1000), query_tile=32, head_union=False)
+    out, _ = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=0, kv_start=kv_start, alibi_slopes=slopes)
+    group = q_heads // kv_heads
+    keys, values = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    slots = torch.arange(length)
+    bias = slopes.double()[:, None, None] * (slots[None, None, :] - slots[None, :, None])  # [H, Sq, Skv]
+    visible = (slots[None, :] <= slots[:, None])[None] & (slots[None, None, :] >= kv_start[:, None, None])
+    scores = q.double() @ keys.transpose(-1, -2) * 32 ** -0.5 + bias[None]
+    expected = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0) @ values
+    valid = (slots[None, :] >= kv_start[:, None])[:, None, :, None]
+    torch.testing.assert_close(out.double() * valid, expected * valid, atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_selection_prefers_near_blocks():
+    """With ALiBi slopes and uninformative keys, each query's selected blocks are its nearest ones."""
+    torch.manual_seed(10)
+    q, k = torch.randn(1, 2, 128, 16) * 0.01, torch.randn(1, 2, 128, 16) * 0.01
+    kv_start = torch.zeros(1, dtype=torch.long)
+    summaries = ref.block_summaries(k, None, kv_start, 16)
+    selection = ref.select_blocks(q, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=16,
+                                  top_k=(2, 2), query_tile=1, head_union=False, sink_blocks=0,
+                                  alibi_slopes=torch.tensor([0.1, 0.05]))
+    mask = selection.to_mask(8)  # [1, 2, 128 tiles, 8 blocks]
+    for query in range(16, 128):
+        own = query // 16
+        assert mask[0, :, query, own - 1:own + 1].all() and not mask[0, :, query, :max(0, own - 2)].any()

@@ -91,11 +91,15 @@ def block_scores(
     summaries: torch.Tensor,
     scale: float,
     available: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax_j(q . Kc_j * scale)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0 elsewhere)."""
+    """``softmax_j(q . Kc_j * scale + bias)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0
+    elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape."""
     group = query.shape[1] // summaries.shape[1]
     summaries = summaries.repeat_interleave(group, dim=1)
     logits = torch.matmul(query.float(), summaries.transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias
     logits = logits.masked_fill(~available[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
@@ -145,12 +149,14 @@ def select_blocks(
     sink_blocks: int = 1,
     search_steps: int = 16,
     key_length: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> BlockSelection:
     """Per query and head: threshold top-k over block scores, plus forced blocks, united per row tile.
 
     Forced blocks: the query's own (diagonal) block and the row's first ``sink_blocks`` blocks. Each
     selection row unites the ``query_tile`` queries of a tile, and with ``head_union`` also the query heads
-    of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``.
+    of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``. ``alibi_slopes``
+    (``[Hq]``) adds head ``h``'s ALiBi bias at the block's centre (at most the query's own slot) to its score.
     """
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
@@ -164,7 +170,13 @@ def select_blocks(
         q1 = min(num_queries, q0 + _QUERY_CHUNK)
         query_ids = torch.arange(q0, q1, device=query.device)
         available = block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block_size, key_length)
-        probs = block_scores(query[:, :, q0:q1], summaries, scale, available)
+        bias = None
+        if alibi_slopes is not None:
+            q_slot = q_offset + query_ids  # [q]
+            centre = kv_start[:, None] + block_ids[None, :] * block_size + (block_size - 1) / 2  # [B, nb]
+            distance = torch.minimum(centre[:, None, :], q_slot[None, :, None].float()) - q_slot[None, :, None]
+            bias = alibi_slopes.float().to(query.device)[None, :, None, None] * distance[:, None]  # [B, Hq, q, nb]
+        probs = block_scores(query[:, :, q0:q1], summaries, scale, available, bias)
         chosen = threshold_topk(probs, available[:, None], top_k, search_steps)
         own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
         forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]
@@ -193,6 +205,7 @@ def sparse_attention(
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,11 +223,14 @@ def sparse_attention(
     int8 K/V (:func:`quantize_per_token`) come with float32 ``key_scale`` / ``value_scale`` ``[B, Hkv, Skv]``:
     the attention is that of the dequantised ``key * key_scale``, ``value * value_scale``; the output is in
     the query's dtype.
+
+    ``alibi_slopes`` (float32 ``[Hq]``) adds the ALiBi bias ``slope[h] * (key slot - query slot)`` (<= 0 on
+    visible keys) to the scaled scores of head ``h``.
     """
     if skip is not None:
         return _sparse_attention_rows(query, key, value, selection, scale=scale, q_offset=q_offset,
                                       kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse,
-                                      key_scale=key_scale, value_scale=value_scale)
+                                      key_scale=key_scale, value_scale=value_scale, alibi_slopes=alibi_slopes)
     if (key.dtype == torch.int8) != (key_scale is not None) or (value.dtype == torch.int8) != (value_scale is not None):
         raise ValueError("int8 key/value need key_scale/value_scale (and scales only go with int8 key/value)")
     if key_scale is not None:
@@ -255,6 +271,9 @@ def sparse_attention(
         scores = torch.matmul(q_tile, keys_sel.transpose(-1, -2)) * scale
         if logn_base is not None:
             scores = scores * logn_factors(q_slot - kv_start[:, None], logn_base)[:, None, :, None]
+        if alibi_slopes is not None:
+            distance = (slot[:, :, None, :] - q_slot[:, None, :, None]).float()  # [B, Hq, QT, W * bs]
+            scores = scores + alibi_slopes.float().to(query.device)[None, :, None, None] * distance
         scores = scores.masked_fill(~visible, float("-inf"))
         tile_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - tile_lse[..., None].clamp_min(torch.finfo(torch.float32).min))

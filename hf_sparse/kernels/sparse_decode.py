@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 from ..selection import BlockSelection
 from .merge_lse import merge_lse
 from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, feature_args,
-                             heads_per_program, next_power_of_2, scale_args, wide_offsets)
+                             heads_per_program, next_power_of_2, scale_args, wide_offsets, alibi_args)
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
@@ -30,7 +30,7 @@ TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -45,7 +45,7 @@ def _sparse_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr,
+    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,6 +79,10 @@ def _sparse_decode_kernel(
         row_scale = scale_log2 * tl.maximum(tl.log(position) * inv_log_base, 1.0)
     else:
         row_scale = scale_log2
+    if ALIBI:
+        alibi_log2 = tl.load(ALIBI_SLOPES + head, mask=head_ok, other=0.0) * 1.4426950408889634
+    else:
+        alibi_log2 = 0.0
 
     count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch)
     if HAS_SKIP:
@@ -95,8 +99,9 @@ def _sparse_decode_kernel(
         K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh, V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
         stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
         K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
-        V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT)
+        V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss, alibi_log2,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT,
+        ALIBI)
     out, lse = _finish(acc, l_i, m_i)
     split64 = split.to(tl.int64)
     tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
@@ -127,6 +132,7 @@ def sparse_decode(
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -140,6 +146,7 @@ def sparse_decode(
     check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
     inv_log_base, skip_flags = feature_args(logn_base, skip, query)
     key_scale, value_scale = scale_args(key_scale, value_scale, key)
+    slopes = alibi_args(alibi_slopes, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
@@ -178,7 +185,7 @@ def sparse_decode(
             continue
         try:
             _sparse_decode_kernel[(programs, splits)](
-                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale,
+                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
                 *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
                 *part_out.stride(), *part_lse.stride(),
                 *indices.stride(), *counts.stride(),
@@ -190,7 +197,7 @@ def sparse_decode(
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-                num_warps=TUNING["num_warps"], num_stages=stages,
+                ALIBI=alibi_slopes is not None, num_warps=TUNING["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller

@@ -102,11 +102,11 @@ def _attend_entries(
     acc, l_i, m_i, q, q_slot, row_ok,
     idx_ptr, stride_ik, first_entry, last_entry,
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-    kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss,
+    kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    ROW_SCALE: tl.constexpr, QUANT: tl.constexpr,
+    ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
 
@@ -114,7 +114,8 @@ def _attend_entries(
     ``scale_log2`` is a ``[BLOCK_M]`` vector (a scale per row: logN scaling), else a scalar. With ``QUANT``
     K/V are int8 with a float32 scale per slot (``ks_base`` / ``vs_base``): int8 values are exact in the dot
     dtype, so a key's scale multiplies its score column and a value's scale the probability column that
-    weights it; no dequantised tile is formed.
+    weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
+    slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores.
     """
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -160,6 +161,8 @@ def _attend_entries(
                 scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
             if QUANT:
                 scores = scores * k_scale[None, :]
+            if ALIBI:
+                scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
             if MASKED:
                 visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
                 scores = tl.where(visible, scores, float("-inf"))
@@ -190,7 +193,7 @@ def _finish(acc, l_i, m_i):
 
 @triton.jit
 def _sparse_prefill_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -206,7 +209,7 @@ def _sparse_prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ENTRY_SEARCH: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr,
+    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
     # the programs of the group's query heads next to each other (they share K/V blocks through L2).
@@ -260,6 +263,10 @@ def _sparse_prefill_kernel(
             row_scale = scale_log2 * tl.maximum(tl.log(position) * inv_log_base, 1.0)
         else:
             row_scale = scale_log2
+        if ALIBI:
+            alibi_log2 = tl.load(ALIBI_SLOPES + head, mask=head_ok, other=0.0) * 1.4426950408889634
+        else:
+            alibi_log2 = 0.0
 
         idx_ptr = INDICES + b64 * stride_ib + sel_head * stride_ih + tile * stride_it
         count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct)
@@ -288,15 +295,15 @@ def _sparse_prefill_kernel(
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, 0, num_full,
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
-            ks_base, vs_base, stride_kss, stride_vss,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT)
+            QUANT, ALIBI)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
-            ks_base, vs_base, stride_kss, stride_vss,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT)
+            QUANT, ALIBI)
         out, lse = _finish(acc, l_i, m_i)
         tl.store(out_rows[:, None] + query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
@@ -328,6 +335,16 @@ def scale_args(key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
     return key_scale, value_scale
 
 
+def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The ALiBi slopes as float32 ``[Hq]`` (a never-read place holder without ALiBi)."""
+    if alibi_slopes is None:
+        return query.new_empty(1, dtype=torch.float32)
+    if tuple(alibi_slopes.shape) != (query.shape[1],) or alibi_slopes.device != query.device:
+        raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
+                         f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    return alibi_slopes.float().contiguous()
+
+
 def wide_offsets(*tensors: torch.Tensor) -> bool:
     """Whether slot offsets (slot index times the sequence stride) may overflow int32."""
     return any(t.shape[2] * abs(t.stride(2)) >= 2**31 for t in tensors)
@@ -346,6 +363,7 @@ def sparse_prefill(
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,6 +376,7 @@ def sparse_prefill(
     check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
     inv_log_base, skip_flags = feature_args(logn_base, skip, query)
     key_scale, value_scale = scale_args(key_scale, value_scale, key)
+    slopes = alibi_args(alibi_slopes, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if out is None:
@@ -380,6 +399,7 @@ def sparse_prefill(
         D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
         DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
         LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
+        ALIBI=alibi_slopes is not None,
     )
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
         heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
@@ -392,7 +412,7 @@ def sparse_prefill(
         try:
             _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
                 query, key, value, out, lse, selection.indices, selection.counts, kv_start, skip_flags,
-                key_scale, value_scale,
+                key_scale, value_scale, slopes,
                 *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
                 *out.stride(), *lse.stride(),
                 *selection.indices.stride(), *selection.counts.stride(),
