@@ -327,6 +327,16 @@ def decode_row(length: int, batch: int, tune: bool) -> dict:
         query_tile=1, head_union=True, sink_blocks=1, key_length=length))
     row["attend_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(query, key, value, selection, scale=scale,
                                                                        q_offset=length - 1, kv_start=kv_start))
+    # int8 K/V (per-token scales, dequantised in the kernel): the same selection's attention
+    (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+    int8 = dict(key_scale=key_scale, value_scale=value_scale)
+    out8, _ = kernels.sparse_attention(query, key8, value8, selection, scale=scale, q_offset=length - 1,
+                                       kv_start=kv_start, **int8)
+    row["int8_rel_error"] = ((out8.float() - expected.float()).norm() / expected.float().norm()).item()
+    row["attend_int8_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(
+        query, key8, value8, selection, scale=scale, q_offset=length - 1, kv_start=kv_start, **int8))
+    row["int8_kv_bytes"] = blocks_read * BLOCK * (HEAD_DIM + 4) * 2
+    del key8, value8, key_scale, value_scale, out8
     row["dense_bytes"] = batch * KV_HEADS * length * HEAD_DIM * 2 * 2
     row["kv_bytes"], row["summary_bytes"] = kv_bytes, summary_bytes
     row["sdpa_gbps"] = row["dense_bytes"] / row["sdpa_ms"] / 1e6
@@ -442,6 +452,12 @@ def main() -> None:
               f"{r['attend_graph_ms'] * 1e3:>6.1f} {r['kv_bytes'] / r['attend_graph_ms'] / 1e6:>5.0f} "
               f"{r['sparse_graph_ms'] * 1e3:>7.1f} {kv_total / r['sparse_graph_ms'] / 1e6:>5.0f} "
               f"{r['sdpa_graph_ms'] / r['sparse_graph_ms']:>5.2f}x")
+    print("decode attention with int8 K/V (per-token scales, dequantised in the kernel), graph, us: "
+          "bf16 attend -> int8 attend (speed-up, GB/s on int8 bytes, error vs the bf16 reference)")
+    for r in decode_rows:
+        print(f"{r['length']:>7} {r['batch']:>5} {r['attend_graph_ms'] * 1e3:>7.1f} -> {r['attend_int8_graph_ms'] * 1e3:>7.1f} "
+              f"({r['attend_graph_ms'] / r['attend_int8_graph_ms']:.2f}x, "
+              f"{r['int8_kv_bytes'] / r['attend_int8_graph_ms'] / 1e6:.0f} GB/s, rel error {r['int8_rel_error']:.4f})")
     if args.tune:
         for r in prefill_rows:
             if "tuning" in r:

@@ -167,6 +167,26 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def logn_base_for(config: Any, model_config: Any) -> int | None:
+    """The training length ``m`` of logN scaling, or None when the method's config leaves it off."""
+    if not getattr(config, "logn_scaling", False):
+        return None
+    base = config.logn_base or getattr(model_config, "max_position_embeddings", None)
+    if base is None:
+        raise ValueError("logn_scaling=True needs logn_base (the training length): the model config has no "
+                         "max_position_embeddings to default to")
+    return int(base)
+
+
+def logn_scaled(query: torch.Tensor, attention_mask: torch.Tensor | None, key_length: int, logn_base: int) -> torch.Tensor:
+    """``query`` times Qwen's logN factor of each query's row position (the dense path's logN)."""
+    batch, _, num_queries, _ = query.shape
+    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=False)
+    slots = key_length - num_queries + torch.arange(num_queries, device=query.device)
+    factor = kernels.reference.logn_factors(slots[None, :] - kv_start[:, None], logn_base)
+    return (query.float() * factor[:, None, :, None]).to(query.dtype)
+
+
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -190,6 +210,11 @@ def sparse_attention_forward(
     layer_idx = getattr(module, "layer_idx", 0)
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
     phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
+    logn_base = logn_base_for(config, module.config)
+    cache_layer = getattr(key, LAYER_ATTR, None)
+    quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)
+    if quantized and method != "plas":
+        raise NotImplementedError(f"an int8 KV cache (kv_dtype='int8') is supported with 'plas' only, not {method!r}")
 
     reason = None
     if config.is_dense_layer(layer_idx, num_layers):
@@ -202,6 +227,11 @@ def sparse_attention_forward(
         logger.debug("layer %d %s: dense (%s)", layer_idx, phase, reason)
         if _RECORDERS:
             _record(LayerRecord(layer_idx, phase, reason))
+        if logn_base is not None:
+            query = logn_scaled(query, attention_mask, key_length, logn_base)
+        if quantized:  # the dense path takes the dequantised K/V (a copy: this path is for short or few layers)
+            key = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
+            value = kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(query.dtype)
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     if dropout:
@@ -215,16 +245,23 @@ def sparse_attention_forward(
             f"layer {layer_idx}: gate weight shape {tuple(gate.shape)} does not match "
             f"[kv_heads={key.shape[1]}, block_size={config.block_size}, head_dim={head_dim}]"
         )
-    cache_layer = getattr(key, LAYER_ATTR, None)
+    scales = {}
+    if quantized:
+        scales = {"key_scale": cache_layer.key_scales, "value_scale": cache_layer.value_scales}
     if cache_layer is not None and cache_layer.block_size == config.block_size:
         summaries = cache_layer.block_summaries(gate, kv_start, kernels.block_summaries)
+    elif quantized:
+        dequantized = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
+        summaries = kernels.block_summaries(dequantized, gate, kv_start, config.block_size)
     else:
         summaries = kernels.block_summaries(key, gate, kv_start, config.block_size)
-    # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference).
+    # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference). Selection
+    # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)
     select = policy.select_decode if phase == "decode" else policy.select_prefill
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start)
-    output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start)
+    output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                                         logn_base=logn_base, **scales)
     if _RECORDERS:
         attended, causal = _block_counts(selection, num_queries, q_offset, kv_start)
         _record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, kv_start)))

@@ -12,17 +12,40 @@ LAYER_ATTR = "_hf_sparse_layer"
 
 SummaryFn = Callable[..., torch.Tensor]
 
+#: Storage dtypes of :class:`SparseCache` K/V: ``"auto"`` (the states' own dtype) or ``"int8"``.
+KV_DTYPES = ("auto", "int8")
+
+
+def _quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (batch, head, token), float32 scales (same as kernels.reference.quantize_per_token)."""
+    scale = (states.detach().float().abs().amax(-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
+
 
 class SparseCacheLayer(CacheLayerMixin):
     """One layer's KV in preallocated storage ``[B, H, capacity, D]`` grown by whole chunks, and float32
-    block summaries ``[B, H, capacity // block_size, D]`` computed once per full block."""
+    block summaries ``[B, H, capacity // block_size, D]`` computed once per full block.
+
+    With ``kv_dtype="int8"`` K and V are stored as int8 with one float32 scale per (batch, head, token)
+    (``key_scale_storage`` / ``value_scale_storage`` ``[B, H, capacity]``): each token is quantised once, when
+    appended, so a filling block never needs requantising, and a scale folds into the kernels' score and
+    probability columns. :meth:`update` returns the int8 views; the attention function reads the scales
+    from the layer (``key_scales`` / ``value_scales``). Summaries are computed from the dequantised keys.
+    """
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, block_size: int = 128, chunk_blocks: int = 16, **kwargs: Any) -> None:
+    def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto", **kwargs: Any) -> None:
         super().__init__()
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        self.kv_dtype = kv_dtype
+        self.quantized = kv_dtype == "int8"
+        self.key_scale_storage: torch.Tensor | None = None
+        self.value_scale_storage: torch.Tensor | None = None
+        self.key_scales = self.value_scales = None
         self.block_size = block_size
         self.chunk_tokens = block_size * chunk_blocks
         self.length = 0
@@ -45,8 +68,16 @@ class SparseCacheLayer(CacheLayerMixin):
         new_capacity = max(needed, self.capacity + self.capacity // 2)
         new_capacity = -(-new_capacity // self.chunk_tokens) * self.chunk_tokens
         batch, heads = key_states.shape[:2]
-        keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1])
-        values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1])
+        storage_dtype = torch.int8 if self.quantized else key_states.dtype
+        keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1], dtype=storage_dtype)
+        values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
+        if self.quantized:
+            key_scales = torch.zeros(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
+            value_scales = torch.zeros_like(key_scales)
+            if self.length:
+                key_scales[:, :, : self.length] = self.key_scale_storage[:, :, : self.length]
+                value_scales[:, :, : self.length] = self.value_scale_storage[:, :, : self.length]
+            self.key_scale_storage, self.value_scale_storage = key_scales, value_scales
         summaries = torch.zeros(batch, heads, new_capacity // self.block_size, key_states.shape[-1],
                                 dtype=torch.float32, device=key_states.device)
         if self.length:
@@ -60,6 +91,9 @@ class SparseCacheLayer(CacheLayerMixin):
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys = self.key_storage[:, :, : self.length]
         self.values = self.value_storage[:, :, : self.length]
+        if self.quantized:
+            self.key_scales = self.key_scale_storage[:, :, : self.length]
+            self.value_scales = self.value_scale_storage[:, :, : self.length]
         setattr(self.keys, LAYER_ATTR, self)
         return self.keys, self.values
 
@@ -74,6 +108,9 @@ class SparseCacheLayer(CacheLayerMixin):
                     f"SparseCache holds batch {self.key_storage.shape[0]} but got states for batch {key_states.shape[0]}"
                 )
             self._grow(new_length, key_states, value_states)
+        if self.quantized:
+            key_states, self.key_scale_storage[:, :, self.length : new_length] = _quantize(key_states)
+            value_states, self.value_scale_storage[:, :, self.length : new_length] = _quantize(value_states)
         self.key_storage[:, :, self.length : new_length] = key_states
         self.value_storage[:, :, self.length : new_length] = value_states
         self.length = new_length
@@ -101,18 +138,29 @@ class SparseCacheLayer(CacheLayerMixin):
         least_pad, most_pad = self._padding_range
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
-        keys = self.key_storage[:, :, : self.length]
         if full_blocks > self.summarized_blocks:
             first = self.summarized_blocks
-            self.summary_storage[:, :, first:full_blocks] = summarize(
-                keys, gate_weight, kv_start, self.block_size, first, full_blocks - first
-            )
+            self.summary_storage[:, :, first:full_blocks] = self._summarize(
+                summarize, gate_weight, kv_start, first, full_blocks - first, least_pad)
             self.summarized_blocks = full_blocks
         if total_blocks > full_blocks:
-            self.summary_storage[:, :, full_blocks:total_blocks] = summarize(
-                keys, gate_weight, kv_start, self.block_size, full_blocks, total_blocks - full_blocks
-            )
+            self.summary_storage[:, :, full_blocks:total_blocks] = self._summarize(
+                summarize, gate_weight, kv_start, full_blocks, total_blocks - full_blocks, least_pad)
         return self.summary_storage[:, :, :total_blocks]
+
+    def _summarize(self, summarize: SummaryFn, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
+                   first: int, count: int, least_pad: int) -> torch.Tensor:
+        """Summaries of row blocks ``[first, first + count)``; int8 storage dequantises only the slots they
+        cover (from the least padded row's first one), in the dtype the model computes in."""
+        keys = self.key_storage[:, :, : self.length]
+        if not self.quantized:
+            return summarize(keys, gate_weight, kv_start, self.block_size, first, count)
+        low = least_pad + first * self.block_size
+        high = min(self.length, self._padding_range[1] + (first + count) * self.block_size)
+        window = (keys[:, :, low:high].float() * self.key_scale_storage[:, :, low:high, None]).to(self.dtype)
+        # Row b's block first + j starts at kv_start[b] + (first + j) * block_size, i.e. window slot
+        # (kv_start[b] - low + first * block_size) + j * block_size: the window's own block j.
+        return summarize(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0, count)
 
     # -- Cache protocol -----------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -150,6 +198,9 @@ class SparseCacheLayer(CacheLayerMixin):
             return
         self.key_storage = fn(self.key_storage)
         self.value_storage = fn(self.value_storage)
+        if self.quantized:
+            self.key_scale_storage = fn(self.key_scale_storage)
+            self.value_scale_storage = fn(self.value_scale_storage)
         self.summary_storage = fn(self.summary_storage)
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
@@ -176,32 +227,50 @@ class SparseCache(Cache):
     """KV cache for hf_sparse attention: block storage and incrementally updated block summaries.
 
     ``generate()`` creates one automatically for models using "plas"; pass one explicitly as
-    ``past_key_values=SparseCache(model.config)`` to control it.
+    ``past_key_values=SparseCache(model.config)`` to control it. ``kv_dtype="int8"`` stores K/V as int8 with
+    per-token scales (:class:`SparseCacheLayer`); ``None`` takes the method config's ``kv_cache_dtype``.
     """
 
-    def __init__(self, config: Any = None, block_size: int | None = None, chunk_blocks: int = 16) -> None:
+    def __init__(self, config: Any = None, block_size: int | None = None, chunk_blocks: int = 16,
+                 kv_dtype: str | None = None) -> None:
         if block_size is None:
             block_size = _block_size_from_config(config)
+        if kv_dtype is None:
+            kv_dtype = _kv_dtype_from_config(config)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         num_layers = None
         if config is not None:
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if num_layers is not None:
-            layers = [SparseCacheLayer(block_size, chunk_blocks) for _ in range(num_layers)]
+            layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype) for _ in range(num_layers)]
             super().__init__(layers=layers)
         else:
-            super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks))
+            super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks, kv_dtype))
+
+    def memory_per_token(self) -> int:
+        """Bytes of K/V storage (values plus int8 scales) per token of one sequence, over all initialised layers."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer, "key_storage", None) is None:
+                continue
+            for storage in (layer.key_storage, layer.value_storage, layer.key_scale_storage, layer.value_scale_storage):
+                if storage is not None:
+                    total += storage[0, :, 0].numel() * storage.element_size()
+        return total
 
 
 class _LayerFactory:
     """Picklable zero-argument factory of cache layers (for lazily created layers)."""
 
-    def __init__(self, block_size: int, chunk_blocks: int) -> None:
-        self.block_size, self.chunk_blocks = block_size, chunk_blocks
+    def __init__(self, block_size: int, chunk_blocks: int, kv_dtype: str = "auto") -> None:
+        self.block_size, self.chunk_blocks, self.kv_dtype = block_size, chunk_blocks, kv_dtype
 
     def __call__(self) -> SparseCacheLayer:
-        return SparseCacheLayer(self.block_size, self.chunk_blocks)
+        return SparseCacheLayer(self.block_size, self.chunk_blocks, self.kv_dtype)
 
 
 def _block_size_from_config(config: Any) -> int:
@@ -212,3 +281,12 @@ def _block_size_from_config(config: Any) -> int:
         method_config = config_from_dict(stored)
         return getattr(method_config, "kernel_block_size", method_config.block_size)
     return 128
+
+
+def _kv_dtype_from_config(config: Any) -> str:
+    from .config import CONFIG_KEY, config_from_dict
+
+    stored = getattr(config, CONFIG_KEY, None) if config is not None else None
+    if stored:
+        return getattr(config_from_dict(stored), "kv_cache_dtype", "auto")
+    return "auto"

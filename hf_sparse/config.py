@@ -80,6 +80,16 @@ class _MethodConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
+def _check_logn(config: Any) -> None:
+    """Validate the logN scaling fields shared by the PLAS and XAttention configs."""
+    if not isinstance(config.logn_scaling, bool):
+        raise ValueError(f"logn_scaling must be True or False, got {config.logn_scaling!r}")
+    if config.logn_base is not None and _as_int("logn_base", config.logn_base) < 2:
+        raise ValueError(f"logn_base (the training length) must be None or >= 2, got {config.logn_base}")
+    if config.logn_base is not None and not config.logn_scaling:
+        raise ValueError("logn_base is set but logn_scaling is False: set logn_scaling=True to scale queries")
+
+
 @dataclass
 class PLASConfig(_MethodConfig):
     """PLAS sparse attention settings.
@@ -95,6 +105,11 @@ class PLASConfig(_MethodConfig):
             (prefill, decode) separately.
         sink_blocks: leading (non-padding) blocks every query always attends, besides its own block.
         search_steps: binary-search steps of the threshold top-k.
+        logn_scaling: Qwen-style logN scaling: the query at row position ``n`` (1-based) is scaled by
+            ``max(1, log(n) / log(m))``, on the sparse and the dense path alike.
+        logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
+        kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
+            ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels).
     """
 
     block_size: int = 128
@@ -105,6 +120,9 @@ class PLASConfig(_MethodConfig):
     dense_below: int | tuple[int, int] | None = None
     sink_blocks: int = 1
     search_steps: int = 16
+    logn_scaling: bool = False
+    logn_base: int | None = None
+    kv_cache_dtype: str = "auto"
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +139,9 @@ class PLASConfig(_MethodConfig):
             raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
         if not 1 <= _as_int("search_steps", self.search_steps) <= 64:
             raise ValueError(f"search_steps must be in [1, 64], got {self.search_steps}")
+        _check_logn(self)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -192,6 +213,9 @@ class XAttnConfig(_MethodConfig):
             ``8 * block_size``; ``0`` forces the sparse path; a pair sets (prefill, decode) separately.
         prefill_chunk: query tokens scored at once in prefill (a multiple of ``block_size``; ``None`` = all),
             which bounds the scoring pass's memory; selections equal the unchunked run.
+        logn_scaling: Qwen-style logN scaling: the query at row position ``n`` (1-based) is scaled by
+            ``max(1, log(n) / log(m))``, on the sparse and the dense path alike.
+        logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
     """
 
     block_size: int = 128
@@ -206,6 +230,8 @@ class XAttnConfig(_MethodConfig):
     dense_layers: tuple[int, ...] = (-1,)
     dense_below: int | tuple[int, int] | None = None
     prefill_chunk: int | None = 16384
+    logn_scaling: bool = False
+    logn_base: int | None = None
     method: str = field(default="xattn", init=False)
 
     def __post_init__(self) -> None:
@@ -242,6 +268,7 @@ class XAttnConfig(_MethodConfig):
                 raise ValueError(
                     f"prefill_chunk must be None or a positive multiple of block_size={block_size}, got {prefill_chunk}"
                 )
+        _check_logn(self)
 
     def mass_threshold(self, phase: str) -> float:
         """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""

@@ -98,6 +98,8 @@ def star_attention_forward(
     _unsupported(kwargs, key_length)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
+    if key.dtype == torch.int8:
+        raise NotImplementedError("an int8 KV cache (kv_dtype='int8') is supported with 'plas' only, not 'star'")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
     run = _RUN.get()

@@ -345,3 +345,69 @@ def test_dispatch_runs_triton_and_matches_reference(monkeypatch, num_queries):
     torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
     finite = torch.isfinite(lse)
     torch.testing.assert_close(merged_lse[finite], lse[finite] + math.log(2), atol=1e-5, rtol=1e-5)
+
+
+# -- sparse attention features: logN scaling, per-request skip, int8 K/V ----------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op, num_queries, splits", [("sparse_prefill", None, None), ("sparse_prefill", "chunk", None),
+                                                     ("sparse_decode", 1, None), ("sparse_decode", 3, 2),
+                                                     ("sparse_decode", 1, 1)])
+@pytest.mark.parametrize("logn, skip_rows, int8, alibi", [(True, False, False, False), (False, True, False, False),
+                                                          (False, False, True, False), (False, False, False, True),
+                                                          (True, True, True, True)])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]])
+def test_sparse_attention_features(size, op, num_queries, splits, logn, skip_rows, int8, alibi, shape):
+    """logN-scaled scores (per query position); skipped rows, whose poisoned outputs must stay poisoned; int8
+    K/V with per-token scales, dequantised in the kernel, against the reference on the dequantised values;
+    ALiBi bias from per-head slopes."""
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed(op, num_queries, splits, logn, skip_rows, int8, alibi, shape))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    num_queries = {None: length, "chunk": d["chunk"]}.get(num_queries, num_queries)
+    q_offset = length - num_queries
+    decode = op == "sparse_decode"
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen) * 2  # sharper softmax: scaling shows
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, "bnsd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tile = num_queries if decode else d["tile"]
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    selection = random_selection(batch, kv_heads, tiles, num_blocks, block, tile, gen, density=0.4)
+    # logn_base below the lengths so that most positions are scaled (m = 16 tokens small, 1024 large)
+    logn_base = (16 if size == "small" else 1024) if logn else None
+    skip = torch.tensor([i % 2 == 1 for i in range(batch)], device=DEVICE) if skip_rows else None
+    scale = dim ** -0.5
+    extra = {"splits": splits} if decode else {}
+    if alibi:  # the usual geometric slopes 2^(-8 h / H), steeper for small lengths so the bias matters
+        extra["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, q_heads + 1) / q_heads) * (4 if size == "small" else 1)).to(DEVICE)
+    if int8:
+        (key, key_scale), (value, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        extra.update(key_scale=key_scale, value_scale=value_scale)
+        dequantized = (ref.dequantize_per_token(key, key_scale), ref.dequantize_per_token(value, value_scale))
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                      kv_start=kv_start, logn_base=logn_base,
+                                                      **{k: v for k, v in extra.items() if k != "splits"})
+    if int8:  # the reference's int8 path is attention on the dequantised values
+        dense_out, dense_lse = ref.sparse_attention(query, *dequantized, selection, scale=scale, q_offset=q_offset,
+                                                    kv_start=kv_start, logn_base=logn_base,
+                                                    alibi_slopes=extra.get("alibi_slopes"))
+        torch.testing.assert_close(expected_out, dense_out)
+        torch.testing.assert_close(expected_lse, dense_lse)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    getattr(OPS[op], op)(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                         logn_base=logn_base, skip=skip, out=out, lse=lse, **extra)
+    run = ~skip if skip is not None else torch.ones(batch, dtype=torch.bool, device=DEVICE)
+    assert torch.isnan(out[~run]).all() and torch.isnan(lse[~run]).all(), "a skipped row was written"
+    assert_attention_close(out[run], lse[run], expected_out[run], expected_lse[run], dtype)
+    if logn:  # the reference really scaled: plain attention differs
+        plain, _ = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                                        **{k: v for k, v in extra.items() if k != "splits"})
+        assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]
+    if alibi:  # the bias really changed the result
+        plain, _ = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                                        logn_base=logn_base, **{k: v for k, v in extra.items() if k not in ("splits", "alibi_slopes")})
+        assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]

@@ -151,3 +151,86 @@ def test_block_selection_mask_round_trip():
     assert (ids[..., 1:] > ids[..., :-1]).logical_or(~valid[..., 1:]).all(), "ascending"
     with pytest.raises(ValueError, match="disagree"):
         BlockSelection(sel.indices, sel.counts[:, :, :2], 16, 8)
+
+
+def logn_scaled_query(query, q_offset, kv_start, logn_base):
+    """Qwen's logN scaling applied to the queries themselves: row position n (1-based from the row's first
+    valid slot) times max(1, log(n) / log(m))."""
+    position = (q_offset + torch.arange(query.shape[2]))[None, :] - kv_start[:, None] + 1  # [B, Sq]
+    factor = (position.clamp_min(1).double().log() / math.log(logn_base)).clamp_min(1.0)
+    return query.double() * factor[:, None, :, None]
+
+
+@pytest.mark.parametrize("q_offset", [0, 60])
+def test_logn_scaling_equals_dense_with_scaled_queries(q_offset):
+    torch.manual_seed(7)
+    batch, q_heads, kv_heads, length, block, logn_base = 3, 4, 2, 130, 16, 24
+    k = torch.randn(batch, kv_heads, length, 32)
+    v = torch.randn(batch, kv_heads, length, 32)
+    q = torch.randn(batch, q_heads, length - q_offset, 32) * 2
+    kv_start = torch.tensor([0, 9, 30])
+    summaries = ref.block_summaries(k, None, kv_start, block)
+    selection = ref.select_blocks(q, summaries, scale=32 ** -0.5, q_offset=q_offset, kv_start=kv_start,
+                                  block_size=block, top_k=(1000, 1000), query_tile=32, head_union=False)
+    out, _ = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=q_offset, kv_start=kv_start,
+                                  logn_base=logn_base)
+    expected = dense_attention(logn_scaled_query(q, q_offset, kv_start, logn_base), k, v, q_offset, kv_start)
+    plain = dense_attention(q, k, v, q_offset, kv_start)
+    valid = ((q_offset + torch.arange(q.shape[2]))[None, :] >= kv_start[:, None])[:, None, :, None]
+    torch.testing.assert_close(out.double() * valid, expected * valid, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.double() * valid, plain * valid, atol=1e-3)  # the scaling did something
+    with pytest.raises(ValueError, match="logn_base"):
+        ref.sparse_attention(q, k, v, selection, scale=1.0, q_offset=q_offset, kv_start=kv_start, logn_base=1)
+
+
+def test_skipped_rows_are_left_untouched():
+    torch.manual_seed(8)
+    q, k, v = torch.randn(3, 4, 40, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    kv_start = torch.tensor([0, 5, 3])
+    summaries = ref.block_summaries(k, None, kv_start, 16)
+    selection = ref.select_blocks(q, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=16,
+                                  top_k=(2, 2), query_tile=16, head_union=False)
+    expected_out, expected_lse = ref.sparse_attention(q, k, v, selection, scale=0.25, q_offset=0, kv_start=kv_start)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"))
+    skip = torch.tensor([False, True, False])
+    ref.sparse_attention(q, k, v, selection, scale=0.25, q_offset=0, kv_start=kv_start, skip=skip, out=out, lse=lse)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    torch.testing.assert_close(out[~skip], expected_out[~skip])
+    torch.testing.assert_close(lse[~skip], expected_lse[~skip])
+
+
+def test_alibi_equals_dense_with_bias():
+    torch.manual_seed(9)
+    batch, q_heads, kv_heads, length, block = 2, 4, 2, 90, 16
+    q, k, v = torch.randn(batch, q_heads, length, 32), torch.randn(batch, kv_heads, length, 32), torch.randn(batch, kv_heads, length, 32)
+    kv_start = torch.tensor([0, 11])
+    slopes = 2.0 ** (-torch.arange(1, q_heads + 1).float())
+    summaries = ref.block_summaries(k, None, kv_start, block)
+    selection = ref.select_blocks(q, summaries, scale=32 ** -0.5, q_offset=0, kv_start=kv_start, block_size=block,
+                                  top_k=(1000, 1000), query_tile=32, head_union=False)
+    out, _ = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=0, kv_start=kv_start, alibi_slopes=slopes)
+    group = q_heads // kv_heads
+    keys, values = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    slots = torch.arange(length)
+    bias = slopes.double()[:, None, None] * (slots[None, None, :] - slots[None, :, None])  # [H, Sq, Skv]
+    visible = (slots[None, :] <= slots[:, None])[None] & (slots[None, None, :] >= kv_start[:, None, None])
+    scores = q.double() @ keys.transpose(-1, -2) * 32 ** -0.5 + bias[None]
+    expected = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0) @ values
+    valid = (slots[None, :] >= kv_start[:, None])[:, None, :, None]
+    torch.testing.assert_close(out.double() * valid, expected * valid, atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_selection_prefers_near_blocks():
+    """With ALiBi slopes and uninformative keys, each query's selected blocks are its nearest ones."""
+    torch.manual_seed(10)
+    q, k = torch.randn(1, 2, 128, 16) * 0.01, torch.randn(1, 2, 128, 16) * 0.01
+    kv_start = torch.zeros(1, dtype=torch.long)
+    summaries = ref.block_summaries(k, None, kv_start, 16)
+    selection = ref.select_blocks(q, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=16,
+                                  top_k=(2, 2), query_tile=1, head_union=False, sink_blocks=0,
+                                  alibi_slopes=torch.tensor([0.1, 0.05]))
+    mask = selection.to_mask(8)  # [1, 2, 128 tiles, 8 blocks]
+    for query in range(16, 128):
+        own = query // 16
+        assert mask[0, :, query, own - 1:own + 1].all() and not mask[0, :, query, :max(0, own - 2)].any()

@@ -13,17 +13,19 @@ import triton.language as tl
 
 @triton.jit
 def _merge_lse_kernel(
-    PARTS, PART_LSE, OUT, OUT_LSE,
+    PARTS, PART_LSE, OUT, OUT_LSE, SKIP,
     stride_pn, stride_p0, stride_p1, stride_p2, stride_pd,
     stride_ln, stride_l0, stride_l1, stride_l2,
     stride_o0, stride_o1, stride_o2, stride_od,
     stride_m0, stride_m1, stride_m2,
     size1, size2, num_rows, num_parts,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     i0 = (rows // (size1 * size2)).to(tl.int64)
+    if HAS_SKIP:  # rows whose first index is skipped are neither read nor written
+        row_ok = row_ok & (tl.load(SKIP + i0, mask=row_ok, other=1).to(tl.int32) == 0)
     i1 = (rows // size2) % size1
     i2 = rows % size2
     offs_d = tl.arange(0, D_PAD)
@@ -80,12 +82,15 @@ def merge_lse(
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`hf_sparse.kernels.reference.merge_lse`.
 
     ``outputs`` ``[N, ..., D]`` (float16/bfloat16/float32), ``lses`` ``[N, ...]`` float32; returns the merged
     output ``[..., D]`` (in ``out``'s dtype when given, else the outputs') and the merged float32 lse ``[...]``.
     Parts whose lse is ``-inf`` contribute nothing; a row with no part seen is zero with lse ``-inf``.
+    ``skip`` (bool ``[R0]``, for outputs ``[N, R0, R1, R2, D]``) leaves the rows ``[i, ...]`` with
+    ``skip[i]`` untouched.
     """
     if outputs.dim() < 2 or outputs.shape[:-1] != lses.shape:
         raise ValueError(f"outputs {tuple(outputs.shape)} must be [N, ..., D] with lses {tuple(lses.shape)} = [N, ...]")
@@ -110,6 +115,13 @@ def merge_lse(
         out.zero_()
         out_lse.fill_(float("-inf"))
         return out, out_lse
+    if skip is not None:
+        if outputs.dim() != 5 or skip.shape != (outputs.shape[1],) or skip.dtype != torch.bool:
+            raise ValueError(f"skip must be a bool [{outputs.shape[1]}] tensor over the first row dim of [N, R0, R1, R2, D] "
+                             f"outputs; got {tuple(skip.shape)} {skip.dtype} for {tuple(outputs.shape)}")
+        skip_flags = skip.contiguous().view(torch.uint8)
+    else:
+        skip_flags = lses  # never read
     parts = _row_view(outputs, 1, 1)
     part_lse = _row_view(lses, 1, 0)
     out_rows = _row_view(out, 0, 1, writable=True)
@@ -117,9 +129,9 @@ def merge_lse(
     d_pad = max(16, _next_power_of_2(head_dim))
     block_r = max(1, min(64, 4096 // d_pad))
     _merge_lse_kernel[(-(-num_rows // block_r),)](
-        parts, part_lse, out_rows, lse_rows,
+        parts, part_lse, out_rows, lse_rows, skip_flags,
         *parts.stride(), *part_lse.stride(), *out_rows.stride(), *lse_rows.stride(),
         parts.shape[2], parts.shape[3], num_rows, num_parts,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, HAS_SKIP=skip is not None, num_warps=4,
     )
     return out, out_lse

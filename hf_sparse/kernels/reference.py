@@ -91,11 +91,15 @@ def block_scores(
     summaries: torch.Tensor,
     scale: float,
     available: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax_j(q . Kc_j * scale)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0 elsewhere)."""
+    """``softmax_j(q . Kc_j * scale + bias)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0
+    elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape."""
     group = query.shape[1] // summaries.shape[1]
     summaries = summaries.repeat_interleave(group, dim=1)
     logits = torch.matmul(query.float(), summaries.transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias
     logits = logits.masked_fill(~available[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
@@ -145,12 +149,14 @@ def select_blocks(
     sink_blocks: int = 1,
     search_steps: int = 16,
     key_length: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> BlockSelection:
     """Per query and head: threshold top-k over block scores, plus forced blocks, united per row tile.
 
     Forced blocks: the query's own (diagonal) block and the row's first ``sink_blocks`` blocks. Each
     selection row unites the ``query_tile`` queries of a tile, and with ``head_union`` also the query heads
-    of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``.
+    of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``. ``alibi_slopes``
+    (``[Hq]``) adds head ``h``'s ALiBi bias at the block's centre (at most the query's own slot) to its score.
     """
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
@@ -164,7 +170,13 @@ def select_blocks(
         q1 = min(num_queries, q0 + _QUERY_CHUNK)
         query_ids = torch.arange(q0, q1, device=query.device)
         available = block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block_size, key_length)
-        probs = block_scores(query[:, :, q0:q1], summaries, scale, available)
+        bias = None
+        if alibi_slopes is not None:
+            q_slot = q_offset + query_ids  # [q]
+            centre = kv_start[:, None] + block_ids[None, :] * block_size + (block_size - 1) / 2  # [B, nb]
+            distance = torch.minimum(centre[:, None, :], q_slot[None, :, None].float()) - q_slot[None, :, None]
+            bias = alibi_slopes.float().to(query.device)[None, :, None, None] * distance[:, None]  # [B, Hq, q, nb]
+        probs = block_scores(query[:, :, q0:q1], summaries, scale, available, bias)
         chosen = threshold_topk(probs, available[:, None], top_k, search_steps)
         own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
         forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]
@@ -189,12 +201,40 @@ def sparse_attention(
     scale: float,
     q_offset: int,
     kv_start: torch.Tensor,
+    logn_base: int | None = None,
+    skip: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the valid, causal slots of its tile's selected row blocks.
 
     Returns the output ``[B, Hq, Sq, Dv]`` in the query dtype and the float32 log-sum-exp ``[B, Hq, Sq]``
     of the scaled scores (``-inf`` where a query sees no slot; its output is zero).
+
+    ``logn_base`` (training length ``m``) turns on logN scaling: the scores of the query at row position
+    ``n`` (1-based, counted from the row's first valid slot) are multiplied by :func:`logn_factors`, i.e.
+    ``max(1, log(n) / log(m))`` as Qwen scales its queries. ``skip`` (``[B]`` bool) marks rows that get no
+    work: their elements of ``out`` / ``lse`` are left as they are (given buffers keep their contents; fresh
+    ones hold zeros and ``-inf`` in the reference, unspecified values in the kernels).
+
+    int8 K/V (:func:`quantize_per_token`) come with float32 ``key_scale`` / ``value_scale`` ``[B, Hkv, Skv]``:
+    the attention is that of the dequantised ``key * key_scale``, ``value * value_scale``; the output is in
+    the query's dtype.
+
+    ``alibi_slopes`` (float32 ``[Hq]``) adds the ALiBi bias ``slope[h] * (key slot - query slot)`` (<= 0 on
+    visible keys) to the scaled scores of head ``h``.
     """
+    if skip is not None:
+        return _sparse_attention_rows(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                      kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse,
+                                      key_scale=key_scale, value_scale=value_scale, alibi_slopes=alibi_slopes)
+    if (key.dtype == torch.int8) != (key_scale is not None) or (value.dtype == torch.int8) != (value_scale is not None):
+        raise ValueError("int8 key/value need key_scale/value_scale (and scales only go with int8 key/value)")
+    if key_scale is not None:
+        key, value = dequantize_per_token(key, key_scale), dequantize_per_token(value, value_scale)
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     block_size, query_tile = selection.block_size, selection.query_tile
@@ -206,6 +246,7 @@ def sparse_attention(
     values = value.float().repeat_interleave(group, dim=1)
     indices = selection.indices.repeat_interleave(rows_per_head, dim=1).long()
     counts = selection.counts.repeat_interleave(rows_per_head, dim=1)
+    out_given, lse_given = out, lse
     out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=torch.float32, device=query.device)
     lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
     in_block = torch.arange(block_size, device=query.device)
@@ -228,6 +269,11 @@ def sparse_attention(
         q_slot = q_offset + query_ids  # [B, QT]
         visible = slot_ok[:, :, None, :] & (slot[:, :, None, :] <= q_slot[:, None, :, None])
         scores = torch.matmul(q_tile, keys_sel.transpose(-1, -2)) * scale
+        if logn_base is not None:
+            scores = scores * logn_factors(q_slot - kv_start[:, None], logn_base)[:, None, :, None]
+        if alibi_slopes is not None:
+            distance = (slot[:, :, None, :] - q_slot[:, None, :, None]).float()  # [B, Hq, QT, W * bs]
+            scores = scores + alibi_slopes.float().to(query.device)[None, :, None, None] * distance
         scores = scores.masked_fill(~visible, float("-inf"))
         tile_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - tile_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
@@ -237,7 +283,58 @@ def sparse_attention(
             ok = query_ok[b]
             out[b, :, query_ids[b, ok]] = tile_out[b, :, ok]
             lse[b, :, query_ids[b, ok]] = tile_lse[b, :, ok]
-    return out.to(query.dtype), lse
+    if out_given is not None:
+        out_given.copy_(out)
+        out = out_given
+    else:
+        out = out.to(query.dtype)
+    if lse_given is not None:
+        lse = lse_given.copy_(lse)
+    return out, lse
+
+
+def logn_factors(row_slot: torch.Tensor, logn_base: int) -> torch.Tensor:
+    """Qwen's logN query scale ``max(1, log(n) / log(m))`` (float32) for 0-based row slots ``n - 1``."""
+    if logn_base < 2:
+        raise ValueError(f"logn_base (the training length) must be >= 2, got {logn_base}")
+    position = (row_slot + 1).clamp_min(1).float()
+    return (torch.log(position) / math.log(logn_base)).clamp_min(1.0)
+
+
+def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantisation of ``[..., S, D]`` states with one float32 scale per (..., token):
+    ``states ~ q * scale[..., None]``, ``scale = max|states| / 127`` over the head dim."""
+    scale = states.detach().float().abs().amax(-1) / 127.0
+    scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+    quantized = torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return quantized, scale
+
+
+def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``quantized * scale[..., None]`` (the inverse of :func:`quantize_per_token`)."""
+    return quantized.float() * scale.float()[..., None]
+
+
+def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, key_scale, value_scale,
+                           **kwargs):
+    """:func:`sparse_attention` on the rows not in ``skip`` only, written into ``out`` / ``lse``."""
+    batch, q_heads, num_queries = query.shape[:3]
+    if skip.shape != (batch,) or skip.dtype != torch.bool:
+        raise ValueError(f"skip must be a [batch={batch}] bool tensor, got {tuple(skip.shape)} {skip.dtype}")
+    if out is None:
+        out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=query.dtype, device=query.device)
+    if lse is None:
+        lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
+    rows = (~skip).nonzero().flatten().to(query.device)
+    if rows.numel() == 0:
+        return out, lse
+    part = BlockSelection(selection.indices[rows], selection.counts[rows], selection.block_size, selection.query_tile)
+    scales = {} if key_scale is None else {"key_scale": key_scale[rows], "value_scale": value_scale[rows]}
+    part_out, part_lse = sparse_attention(query[rows], key[rows], value[rows], part,
+                                          kv_start=kv_start.to(query.device)[rows], **scales, **kwargs)
+    out[rows] = part_out.to(out.dtype)
+    lse[rows] = part_lse
+    return out, lse
 
 
 def merge_lse(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

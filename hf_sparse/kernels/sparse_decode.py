@@ -19,8 +19,8 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
 from .merge_lse import merge_lse
-from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, heads_per_program,
-                             next_power_of_2, wide_offsets)
+from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, feature_args,
+                             heads_per_program, next_power_of_2, scale_args, wide_offsets, alibi_args)
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
@@ -30,20 +30,22 @@ TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_on, stride_ob, stride_oh, stride_os, stride_od,
     stride_ln, stride_lb, stride_lh, stride_ls,
     stride_ib, stride_ih, stride_ik,
     stride_cb, stride_ch,
-    key_length, q_offset, scale_log2, splits,
+    key_length, q_offset, scale_log2, inv_log_base, splits,
     SEL_HEADS: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr, NUM_QUERIES: tl.constexpr, QUERY_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,6 +62,9 @@ def _sparse_decode_kernel(
     head = first_head + rows // NUM_QUERIES
     query = rows % NUM_QUERIES
     head_ok = rows < HEADS_PER_PROG * NUM_QUERIES
+    if HAS_SKIP:  # a skipped row: no K/V reads, no stores (the merge skips it too)
+        skipped = tl.load(SKIP + b).to(tl.int32)
+        head_ok = head_ok & (rows * 0 + skipped == 0)
     # Queries of the row's single tile: the leading padding queries and any past the tile see no key.
     row_ok = head_ok & (query >= pad_q) & (query - pad_q < QUERY_TILE)
     q_slot = q_offset + query
@@ -69,8 +74,19 @@ def _sparse_decode_kernel(
                 + offs_d[None, :] * stride_qd, mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if LOGN:  # Qwen's logN: scores of row position n (1-based) times max(1, log(n) / log(m))
+        position = tl.maximum(q_slot - kv_start + 1, 1).to(tl.float32)
+        row_scale = scale_log2 * tl.maximum(tl.log(position) * inv_log_base, 1.0)
+    else:
+        row_scale = scale_log2
+    if ALIBI:
+        alibi_log2 = tl.load(ALIBI_SLOPES + head, mask=head_ok, other=0.0) * 1.4426950408889634
+    else:
+        alibi_log2 = 0.0
 
     count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch)
+    if HAS_SKIP:
+        count = tl.where(skipped == 0, count, 0)
     per_split = (count + splits - 1) // splits
     first_entry = tl.minimum(split * per_split, count)
     last_entry = tl.minimum(first_entry + per_split, count)
@@ -81,8 +97,11 @@ def _sparse_decode_kernel(
         acc, l_i, m_i, q, q_slot, row_ok, INDICES + b64 * stride_ib + sel_head * stride_ih, stride_ik,
         first_entry, last_entry,
         K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh, V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
-        stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS)
+        stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+        K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
+        V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss, alibi_log2,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT,
+        ALIBI)
     out, lse = _finish(acc, l_i, m_i)
     split64 = split.to(tl.int64)
     tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
@@ -109,16 +128,25 @@ def sparse_decode(
     scale: float,
     q_offset: int,
     kv_start: torch.Tensor,
+    logn_base: int | None = None,
+    skip: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decode for a selection with one query tile and at most :data:`MAX_DECODE_QUERIES` queries.
 
-    Same result as :func:`hf_sparse.kernels.reference.sparse_attention`. ``out`` / ``lse`` are written in
-    place when given. No value is read back to the host.
+    Same result as :func:`hf_sparse.kernels.reference.sparse_attention` (``logn_base`` and ``skip`` too).
+    ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
+    back to the host.
     """
-    check_attention_inputs(query, key, value, selection, kv_start)
+    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
+    inv_log_base, skip_flags = feature_args(logn_base, skip, query)
+    key_scale, value_scale = scale_args(key_scale, value_scale, key)
+    slopes = alibi_args(alibi_slopes, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
@@ -157,17 +185,19 @@ def sparse_decode(
             continue
         try:
             _sparse_decode_kernel[(programs, splits)](
-                query, key, value, part_out, part_lse, indices, counts, kv_start,
-                *query.stride(), *key.stride(), *value.stride(), *part_out.stride(), *part_lse.stride(),
+                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
+                *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
+                *part_out.stride(), *part_lse.stride(),
                 *indices.stride(), *counts.stride(),
-                key_length, q_offset, scale * math.log2(math.e), splits,
+                key_length, q_offset, scale * math.log2(math.e), inv_log_base, splits,
                 SEL_HEADS=sel_heads, HEAD_GROUPS=head_groups, HEADS_PER_ROW=heads_per_row,
                 HEADS_PER_PROG=heads_per_prog, GROUP=q_heads // kv_heads, NUM_QUERIES=num_queries,
                 QUERY_TILE=selection.query_tile, BLOCK_M=rows, BLOCK_SIZE=selection.block_size, BLOCK_N=block_n,
                 HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
-                num_warps=TUNING["num_warps"], num_stages=stages,
+                LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
+                ALIBI=alibi_slopes is not None, num_warps=TUNING["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller
@@ -176,4 +206,4 @@ def sparse_decode(
         raise RuntimeError("no sparse_decode tile configuration fits this GPU's shared memory")
     if splits == 1:
         return out, lse
-    return merge_lse(part_out, part_lse, out=out, out_lse=lse)
+    return merge_lse(part_out, part_lse, out=out, out_lse=lse, skip=skip)

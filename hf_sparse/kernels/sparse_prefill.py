@@ -30,15 +30,26 @@ TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           selection: BlockSelection, kv_start: torch.Tensor) -> None:
+                           selection: BlockSelection, kv_start: torch.Tensor,
+                           key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
     """Raise a clear error for inputs the attention kernels do not take."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("sparse attention takes BNSD tensors: query [B,Hq,Sq,D], key [B,Hkv,Skv,D], value [B,Hkv,Skv,Dv]")
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
+    quantized = key_scale is not None or value_scale is not None
+    for name, tensor in (("query", query),) + (() if quantized else (("key", key), ("value", value))):
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype {tensor.dtype} unsupported: use float16, bfloat16 or float32")
-    if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if quantized:
+        if key.dtype != torch.int8 or value.dtype != torch.int8 or key_scale is None or value_scale is None:
+            raise TypeError("key_scale/value_scale go with int8 key and value (both), got "
+                            f"{key.dtype}/{value.dtype}")
+        for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+            if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(key.shape[:3]) or scale.device != key.device:
+                raise ValueError(f"{name} must be float32 [B, Hkv, Skv] = {tuple(key.shape[:3])} on {key.device}, "
+                                 f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    elif not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}"
+                        + (" (int8 K/V need key_scale and value_scale)" if key.dtype == torch.int8 else ""))
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"query and key head dims differ ({query.shape[-1]} vs {key.shape[-1]})")
     if max(query.shape[-1], value.shape[-1]) > 256:
@@ -91,14 +102,20 @@ def _attend_entries(
     acc, l_i, m_i, q, q_slot, row_ok,
     idx_ptr, stride_ik, first_entry, last_entry,
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-    kv_start, key_length, scale_log2,
+    kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
 
-    Without ``MASKED`` every slot of every listed block must be visible to every row.
+    Without ``MASKED`` every slot of every listed block must be visible to every row. With ``ROW_SCALE``
+    ``scale_log2`` is a ``[BLOCK_M]`` vector (a scale per row: logN scaling), else a scalar. With ``QUANT``
+    K/V are int8 with a float32 scale per slot (``ks_base`` / ``vs_base``): int8 values are exact in the dot
+    dtype, so a key's scale multiplies its score column and a value's scale the probability column that
+    weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
+    slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores.
     """
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -128,7 +145,24 @@ def _attend_entries(
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            elif QUANT:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            if QUANT:
+                if MASKED:
+                    k_scale = tl.load(ks_base + slot_offs * stride_kss, mask=n_ok, other=0.0)
+                    v_scale = tl.load(vs_base + slot_offs * stride_vss, mask=n_ok, other=0.0)
+                else:
+                    k_scale = tl.load(ks_base + slot_offs * stride_kss)
+                    v_scale = tl.load(vs_base + slot_offs * stride_vss)
+            if ROW_SCALE:
+                scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2[:, None]
+            else:
+                scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            if QUANT:
+                scores = scores * k_scale[None, :]
+            if ALIBI:
+                scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
             if MASKED:
                 visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
                 scores = tl.where(visible, scores, float("-inf"))
@@ -140,7 +174,10 @@ def _attend_entries(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if QUANT:
+                acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     return acc, l_i, m_i
 
@@ -156,21 +193,23 @@ def _finish(acc, l_i, m_i):
 
 @triton.jit
 def _sparse_prefill_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_ib, stride_ih, stride_it, stride_ik,
     stride_cb, stride_ch, stride_ct,
-    num_queries, key_length, q_offset, scale_log2, num_tiles, num_slots,
+    num_queries, key_length, q_offset, scale_log2, inv_log_base, num_tiles, num_slots,
     KV_HEADS: tl.constexpr, PROGS_PER_KV: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
     QUERY_TILE: tl.constexpr, QUERIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ENTRY_SEARCH: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
     # the programs of the group's query heads next to each other (they share K/V blocks through L2).
@@ -190,6 +229,11 @@ def _sparse_prefill_kernel(
     rows = tl.arange(0, BLOCK_M)
     head = first_head + rows // QUERIES_PER_PROG
     head_ok = rows < HEADS_PER_PROG * QUERIES_PER_PROG
+    num_tiles_run = num_tiles
+    if HAS_SKIP:  # a skipped row: no loads, no stores, its outputs keep their contents
+        skipped = tl.load(SKIP + b).to(tl.int32)
+        head_ok = head_ok & (rows * 0 + skipped == 0)
+        num_tiles_run = tl.where(skipped == 0, num_tiles, 0)
     offs_dv = tl.arange(0, DV_PAD)
     out_rows = OUT + b64 * stride_ob + head.to(tl.int64) * stride_oh
     lse_rows = LSE + b64 * stride_lb + head * stride_lh
@@ -203,7 +247,7 @@ def _sparse_prefill_kernel(
     tl.store(lse_rows + pad_query * stride_ls, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=is_pad)
 
     tile = slot // SUBTILES
-    if tile < num_tiles:
+    if tile < num_tiles_run:
         first_in_tile = (slot % SUBTILES) * QUERIES_PER_PROG
         in_tile = first_in_tile + rows % QUERIES_PER_PROG
         query = pad_q + tile * QUERY_TILE + in_tile
@@ -214,6 +258,15 @@ def _sparse_prefill_kernel(
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        if LOGN:  # Qwen's logN: scores of row position n (1-based) times max(1, log(n) / log(m))
+            position = tl.maximum(q_slot - kv_start + 1, 1).to(tl.float32)
+            row_scale = scale_log2 * tl.maximum(tl.log(position) * inv_log_base, 1.0)
+        else:
+            row_scale = scale_log2
+        if ALIBI:
+            alibi_log2 = tl.load(ALIBI_SLOPES + head, mask=head_ok, other=0.0) * 1.4426950408889634
+        else:
+            alibi_log2 = 0.0
 
         idx_ptr = INDICES + b64 * stride_ib + sel_head * stride_ih + tile * stride_it
         count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct)
@@ -234,21 +287,62 @@ def _sparse_prefill_kernel(
 
         k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+        ks_base = K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh
+        vs_base = V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, 0, num_full,
-            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS)
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
+            QUANT, ALIBI)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
-            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, scale_log2,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS)
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
+            QUANT, ALIBI)
         out, lse = _finish(acc, l_i, m_i)
         tl.store(out_rows[:, None] + query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
         tl.store(lse_rows + query * stride_ls, lse, mask=row_ok)
+
+
+def feature_args(logn_base: int | None, skip: torch.Tensor | None, query: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Kernel arguments of the optional features: ``1 / log(logn_base)`` (0 when off) and the skip flags as
+    uint8 (a view of the bool tensor; ``kv_start``'s place holder when there is none)."""
+    inv_log_base = 0.0
+    if logn_base is not None:
+        if int(logn_base) < 2:
+            raise ValueError(f"logn_base (the training length) must be >= 2, got {logn_base}")
+        inv_log_base = 1.0 / math.log(int(logn_base))
+    if skip is None:
+        return inv_log_base, query.new_empty(1, dtype=torch.uint8)
+    if skip.shape != (query.shape[0],) or skip.dtype != torch.bool or skip.device != query.device:
+        raise ValueError(f"skip must be a [batch={query.shape[0]}] bool tensor on {query.device}, got "
+                         f"{tuple(skip.shape)} {skip.dtype} on {skip.device}")
+    return inv_log_base, skip.contiguous().view(torch.uint8)
+
+
+def scale_args(key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 K/V scales, or (never read) place holders ``[1, 1, 1]`` for unquantised K/V."""
+    if key_scale is None:
+        dummy = key.new_empty(1, 1, 1, dtype=torch.float32)
+        return dummy, dummy
+    return key_scale, value_scale
+
+
+def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The ALiBi slopes as float32 ``[Hq]`` (a never-read place holder without ALiBi)."""
+    if alibi_slopes is None:
+        return query.new_empty(1, dtype=torch.float32)
+    if tuple(alibi_slopes.shape) != (query.shape[1],) or alibi_slopes.device != query.device:
+        raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
+                         f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    return alibi_slopes.float().contiguous()
 
 
 def wide_offsets(*tensors: torch.Tensor) -> bool:
@@ -265,15 +359,24 @@ def sparse_prefill(
     scale: float,
     q_offset: int,
     kv_start: torch.Tensor,
+    logn_base: int | None = None,
+    skip: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`hf_sparse.kernels.reference.sparse_attention` for any selection.
 
     Returns ``(out [B, Hq, Sq, Dv]`` in the query dtype, ``lse [B, Hq, Sq]`` float32); ``out`` / ``lse`` are
-    written in place when given (any strides). Every element is written.
+    written in place when given (any strides). Every element of the rows not in ``skip`` is written; the
+    rows in ``skip`` are not touched.
     """
-    check_attention_inputs(query, key, value, selection, kv_start)
+    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
+    inv_log_base, skip_flags = feature_args(logn_base, skip, query)
+    key_scale, value_scale = scale_args(key_scale, value_scale, key)
+    slopes = alibi_args(alibi_slopes, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if out is None:
@@ -295,6 +398,8 @@ def sparse_prefill(
         BLOCK_SIZE=block_size, ENTRY_SEARCH=max(1, int(width).bit_length()), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
         DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
+        LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
+        ALIBI=alibi_slopes is not None,
     )
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
         heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
@@ -306,10 +411,12 @@ def sparse_prefill(
         head_groups = heads_per_row // heads_per_prog
         try:
             _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
-                query, key, value, out, lse, selection.indices, selection.counts, kv_start,
-                *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
+                query, key, value, out, lse, selection.indices, selection.counts, kv_start, skip_flags,
+                key_scale, value_scale, slopes,
+                *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
+                *out.stride(), *lse.stride(),
                 *selection.indices.stride(), *selection.counts.stride(),
-                num_queries, key_length, q_offset, scale * math.log2(math.e), num_tiles, num_slots,
+                num_queries, key_length, q_offset, scale * math.log2(math.e), inv_log_base, num_tiles, num_slots,
                 PROGS_PER_KV=sel_heads * head_groups // kv_heads, HEAD_GROUPS=head_groups,
                 HEADS_PER_PROG=heads_per_prog, QUERIES_PER_PROG=queries_per_prog, SUBTILES=subtiles,
                 BLOCK_M=rows, BLOCK_N=block_n, num_warps=TUNING["num_warps"] if rows >= 128 else 4, num_stages=stages,

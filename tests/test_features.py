@@ -1,0 +1,150 @@
+"""Paged-attention feature parity at the model level: logN scaling (and, in test_kernels/test_reference, skip)."""
+import pytest
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+import hf_sparse
+
+from conftest import build, full_density, tiny_config
+
+LOGN_BASE = 16
+
+
+def logn_reference_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa on queries scaled as Qwen does: position n (1-based) times max(1, log(n) / log(m)); no padding."""
+    num_queries, key_length = query.shape[2], key.shape[2]
+    position = torch.arange(key_length - num_queries, key_length, dtype=torch.float64) + 1
+    factor = (position.log() / torch.tensor(float(LOGN_BASE)).log()).clamp_min(1.0)
+    return sdpa_attention_forward(module, query * factor.to(query.dtype)[None, None, :, None], key, value,
+                                  attention_mask, **kwargs)
+
+
+AttentionInterface.register("logn_reference", logn_reference_attention)
+AttentionMaskInterface.register("logn_reference", sdpa_mask)
+
+
+@pytest.mark.parametrize("path", ["sparse", "dense", "xattn"])
+def test_logn_scaling_equals_dense_reference(path):
+    config = tiny_config("qwen2", 6, 2)
+    sparse, reference = build(config, "xattn" if path == "xattn" else "plas"), build(config, "logn_reference")
+    logn = dict(logn_scaling=True, logn_base=LOGN_BASE)
+    if path == "sparse":
+        method = hf_sparse.PLASConfig.from_dict({**full_density(block_size=16).to_dict(), **logn})
+    elif path == "dense":
+        method = hf_sparse.PLASConfig(block_size=16, dense_layers=(0, 1), **logn)
+    else:
+        method = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=(), **logn)
+    hf_sparse.configure(sparse, method)
+    plain = build(config, "sdpa")
+    ids = torch.randint(0, 128, (1, 70))
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        torch.testing.assert_close(sparse(ids).logits, reference(ids).logits, atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(sparse(ids).logits, plain(ids).logits, atol=1e-3), "logN changed nothing"
+        a = sparse.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        b = reference.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+    assert {r.phase for r in rec.records} == {"prefill", "decode"}
+    assert bool(rec.dense_layers()) == (path == "dense")
+
+
+def test_logn_config_validation():
+    with pytest.raises(ValueError, match="logn_base"):
+        hf_sparse.PLASConfig(logn_scaling=True, logn_base=1)
+    with pytest.raises(ValueError, match="logn_scaling"):
+        hf_sparse.PLASConfig(logn_base=4096)
+    with pytest.raises(ValueError, match="logn_scaling"):
+        hf_sparse.XAttnConfig(logn_scaling="yes")
+    assert hf_sparse.PLASConfig.from_dict(hf_sparse.PLASConfig(logn_scaling=True).to_dict()).logn_scaling
+
+
+# -- int8 KV cache -------------------------------------------------------------------------------------------------
+def test_int8_cache_layer_storage_scales_and_summaries():
+    from hf_sparse.cache import SparseCacheLayer
+    from hf_sparse.kernels import reference as ref
+
+    torch.manual_seed(3)
+    layer = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8")
+    keys, values = torch.randn(2, 3, 45, 32), torch.randn(2, 3, 45, 24)
+    kv_start = torch.tensor([0, 7])
+    layer.update(keys[:, :, :40], values[:, :, :40])
+    for step in range(40, 45):  # decode steps: partial blocks and a block that fills
+        k, v = layer.update(keys[:, :, step:step + 1], values[:, :, step:step + 1])
+        summaries = layer.block_summaries(None, kv_start, ref.block_summaries)
+    assert k.dtype == v.dtype == torch.int8 and layer.key_scales.shape == (2, 3, 45)
+    dequantized_keys = ref.dequantize_per_token(k, layer.key_scales)
+    assert float((dequantized_keys - keys).norm() / keys.norm()) < 0.01
+    assert float((ref.dequantize_per_token(v, layer.value_scales) - values).norm() / values.norm()) < 0.01
+    torch.testing.assert_close(summaries, ref.block_summaries(dequantized_keys, None, kv_start, 16))
+
+
+def test_int8_kv_cache_close_to_sdpa_and_smaller():
+    config = tiny_config("llama", 8, 2, head_dim=32)
+    sparse, dense = build(config, "plas"), build(config, "sdpa")
+    plas = full_density(block_size=16).to_dict()
+    hf_sparse.configure(sparse, hf_sparse.PLASConfig.from_dict({**plas, "kv_cache_dtype": "int8"}))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 128, (2, 76))
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        cache = hf_sparse.SparseCache(sparse.config)  # int8 from the stored configuration
+        steps = [sparse(ids[:, :70], past_key_values=cache).logits]
+        steps += [sparse(ids[:, t:t + 1], past_key_values=cache).logits for t in range(70, 76)]  # teacher-forced decode
+        expected = dense(ids).logits
+        generated = sparse.generate(ids[:, :70], max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        fp = hf_sparse.SparseCache(sparse.config, kv_dtype="auto")
+        sparse(ids, past_key_values=fp)
+    assert cache.kv_dtype == "int8" and cache.layers[0].key_storage.dtype == torch.int8
+    assert generated.past_key_values.kv_dtype == "int8", "generate() creates the configured int8 cache"
+    assert {r.phase for r in rec.records} >= {"prefill", "decode"} and not rec.dense_layers()
+    # int8 per-token K/V: logits within a few percent of their spread (the float cache: ~1e-6)
+    error = (torch.cat(steps, 1) - expected).abs().max()
+    assert 0 < float(error) < 0.05 * float(expected.std())
+    # (D + 4) bytes per token and head for each of K and V, against 4 * D in float32: 2 layers x 2 heads x (K, V)
+    assert cache.memory_per_token() == 2 * 2 * 2 * (32 + 4)
+    assert fp.memory_per_token() == 2 * 2 * 2 * 32 * 4
+
+
+def test_int8_kv_cache_rejected_for_other_methods():
+    config = tiny_config("llama", 4, 2)
+    model = build(config, "xattn")
+    hf_sparse.configure(model, hf_sparse.XAttnConfig(block_size=16, stride=4, dense_below=0, dense_layers=()))
+    cache = hf_sparse.SparseCache(model.config, block_size=16, kv_dtype="int8")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="int8"):
+        model(torch.randint(3, 128, (1, 40)), past_key_values=cache)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        hf_sparse.PLASConfig(kv_cache_dtype="fp8")
+
+
+def test_int8_kv_cache_rejected_for_star_and_logn_unknown_to_star():
+    model = build(tiny_config("llama", 4, 2), "star")
+    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=16, dense_below=0))
+    cache = hf_sparse.SparseCache(model.config, block_size=16, kv_dtype="int8")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="int8.*star"):
+        model(torch.randint(3, 128, (1, 40)), past_key_values=cache)
+    with pytest.raises(ValueError, match="logn_scaling"):
+        hf_sparse.StarConfig.from_dict({"logn_scaling": True})
+
+
+def test_int8_kv_left_padded_batch_equals_each_prompt_alone():
+    """Per-token quantisation does not depend on the batch, and summaries of int8 blocks follow each row's
+    padding: a left-padded batch decodes like each prompt alone (sparse selection, logN on too)."""
+    model = build(tiny_config("llama", 6, 2), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1), decode_top_k=(3, 4),
+                                                    dense_below=0, dense_layers=(), query_union=8,
+                                                    kv_cache_dtype="int8", logn_scaling=True, logn_base=64))
+    torch.manual_seed(5)
+    long_ids, short_ids = torch.randint(3, 128, (1, 200)), torch.randint(3, 128, (1, 141))
+    batch = torch.zeros(2, 200, dtype=torch.long)
+    mask = torch.zeros(2, 200, dtype=torch.long)
+    batch[0], mask[0] = long_ids[0], 1
+    batch[1, 59:], mask[1, 59:] = short_ids[0], 1
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone_long = model.generate(long_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone_short = model.generate(short_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert rec.density("prefill") < 0.8 and rec.density("decode") < 0.8, "selection really was sparse"
+    assert torch.equal(together[0, 200:], alone_long[0, 200:])
+    assert torch.equal(together[1, 200:], alone_short[0, 141:])
