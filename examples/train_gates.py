@@ -92,7 +92,8 @@ def main() -> None:
           f"{sum(head) / len(head):.4f} (first tenth) -> {sum(tail) / len(tail):.4f} (last tenth); "
           f"wrote {result.path}")
 
-    print(f"\nblock scores on held-out text, density {args.density} for both (hf_sparse.evaluate_gates)")
+    print(f"\nblock scores on held-out text, target density {args.density} (achieved in the last column; the same "
+          "number of blocks per query for both gate sets; hf_sparse.evaluate_gates)")
     print(f"{'gates':<14} {'KL':>7} {'top-1':>7} {'recall':>7} {'oracle':>7} {'density':>8}")
     scores = {}
     for name, gates in (("mean pooling", None), ("trained", result.gates)):
