@@ -1,0 +1,60 @@
+"""Launch settings of the split decode kernel, bf16 vs int8 K/V: splits, warps, key tile, stages.
+
+Run on a GPU: ``python benchmarks/tune_decode.py [--lengths 131072] [--batches 1 8]``. Prints CUDA-graph
+medians (us) of ``kernels.sparse_attention`` on one PLAS decode selection per setting.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from hf_sparse import kernels
+from hf_sparse.kernels import reference as ref
+from hf_sparse.kernels import sparse_decode
+
+from bench_attention import BLOCK, DECODE_TOP_K, HEAD_DIM, graph_ms, structured_qkv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    default = dict(sparse_decode.TUNING)
+    print(f"{torch.cuda.get_device_name()} | triton {triton.__version__} | default {default}")
+    for length, batch in itertools.product(args.lengths, args.batches):
+        query, key, value = structured_qkv(batch, 1, length, structured=True)
+        kv_start = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        scale = HEAD_DIM ** -0.5
+        summ = kernels.block_summaries(key, None, kv_start, BLOCK)
+        selection = kernels.select_blocks(query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start,
+                                          block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
+                                          sink_blocks=1, key_length=length)
+        (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        runs = {
+            "bf16": lambda **kw: kernels.sparse_attention(query, key, value, selection, scale=scale,
+                                                          q_offset=length - 1, kv_start=kv_start, **kw),
+            "int8": lambda **kw: kernels.sparse_attention(query, key8, value8, selection, scale=scale,
+                                                          q_offset=length - 1, kv_start=kv_start,
+                                                          key_scale=key_scale, value_scale=value_scale, **kw),
+        }
+        print(f"\nlength {length}, batch {batch}, mean blocks per KV head {selection.counts.float().mean():.1f}")
+        print(f"{'kv':>5} {'programs/SM':>11} {'max splits':>10} {'warps':>5} {'block_n':>7} {'stages':>6} {'us':>8}")
+        for programs_per_sm, max_splits, warps, block_n, stages in itertools.product(
+                (2, 4, 8), (64, 256), (4, 8), (64, 128), (2, 3)):
+            sparse_decode.TUNING.update(programs_per_sm=programs_per_sm, max_splits=max_splits, num_warps=warps,
+                                        block_n=block_n, num_stages=stages)
+            for name, run in runs.items():
+                us = graph_ms(run) * 1e3
+                print(f"{name:>5} {programs_per_sm:>11} {max_splits:>10} {warps:>5} {block_n:>7} {stages:>6} {us:>8.1f}")
+        sparse_decode.TUNING.clear()
+        sparse_decode.TUNING.update(default)
+        del query, key, value, key8, value8, summ, selection
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
