@@ -1,9 +1,12 @@
-"""Settings shared by the Triton launchers."""
+"""Input checks, argument preparation and settings shared by the Triton launchers."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+
+from ..selection import BlockSelection
 
 
 def interpreting() -> bool:
@@ -23,3 +26,125 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     if dtype == torch.float32:
         return True, "tf32x3"
     return False, "tf32"
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           selection: BlockSelection, kv_start: torch.Tensor,
+                           key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
+    """Raise a clear error for inputs the attention kernels do not take."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("sparse attention takes BNSD tensors: query [B,Hq,Sq,D], key [B,Hkv,Skv,D], value [B,Hkv,Skv,Dv]")
+    quantized = key_scale is not None or value_scale is not None
+    for name, tensor in (("query", query),) + (() if quantized else (("key", key), ("value", value))):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {tensor.dtype} unsupported: use float16, bfloat16 or float32")
+    if quantized:
+        if key.dtype != torch.int8 or value.dtype != torch.int8 or key_scale is None or value_scale is None:
+            raise TypeError("key_scale/value_scale go with int8 key and value (both), got "
+                            f"{key.dtype}/{value.dtype}")
+        for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+            if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(key.shape[:3]) or scale.device != key.device:
+                raise ValueError(f"{name} must be float32 [B, Hkv, Skv] = {tuple(key.shape[:3])} on {key.device}, "
+                                 f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    elif not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}"
+                        + (" (int8 K/V need key_scale and value_scale)" if key.dtype == torch.int8 else ""))
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"query and key head dims differ ({query.shape[-1]} vs {key.shape[-1]})")
+    if max(query.shape[-1], value.shape[-1]) > 256:
+        raise ValueError("head dims above 256 are not supported by the Triton kernels; set HF_SPARSE_BACKEND=torch")
+    batch, q_heads = query.shape[:2]
+    kv_heads = key.shape[1]
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    sel_heads = selection.num_heads
+    if sel_heads == 0 or q_heads % sel_heads or sel_heads % kv_heads:
+        raise ValueError(f"selection has {sel_heads} head rows; need a divisor of {q_heads} query heads and a "
+                         f"multiple of {kv_heads} KV heads")
+    if selection.indices.shape[0] != batch or kv_start.shape != (batch,) or kv_start.is_floating_point():
+        raise ValueError("selection / kv_start ([batch] integers) do not match the query")
+    if selection.indices.dtype != torch.int32 or selection.counts.dtype != torch.int32:
+        raise TypeError("selection indices and counts must be int32")
+    if not query.device == key.device == value.device == selection.indices.device == selection.counts.device:
+        raise ValueError("query, key, value and selection must be on one device")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def heads_per_program(heads_per_row: int, rows_per_head: int, max_rows: int = 128) -> int:
+    """Largest divisor of ``heads_per_row`` whose heads times ``rows_per_head`` rows fit ``max_rows``."""
+    best = 1
+    for heads in range(1, heads_per_row + 1):
+        if heads_per_row % heads == 0 and heads * rows_per_head <= max_rows:
+            best = heads
+    return best
+
+
+def feature_args(logn_base: int | None, skip: torch.Tensor | None, query: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Kernel arguments of the optional features: ``1 / log(logn_base)`` (0 when off) and the skip flags as
+    uint8 (a view of the bool tensor; ``kv_start``'s place holder when there is none)."""
+    inv_log_base = 0.0
+    if logn_base is not None:
+        if int(logn_base) < 2:
+            raise ValueError(f"logn_base (the training length) must be >= 2, got {logn_base}")
+        inv_log_base = 1.0 / math.log(int(logn_base))
+    if skip is None:
+        return inv_log_base, query.new_empty(1, dtype=torch.uint8)
+    if skip.shape != (query.shape[0],) or skip.dtype != torch.bool or skip.device != query.device:
+        raise ValueError(f"skip must be a [batch={query.shape[0]}] bool tensor on {query.device}, got "
+                         f"{tuple(skip.shape)} {skip.dtype} on {skip.device}")
+    return inv_log_base, skip.contiguous().view(torch.uint8)
+
+
+def scale_args(key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 K/V scales, or (never read) place holders ``[1, 1, 1]`` for unquantised K/V."""
+    if key_scale is None:
+        dummy = key.new_empty(1, 1, 1, dtype=torch.float32)
+        return dummy, dummy
+    return key_scale, value_scale
+
+
+def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The ALiBi slopes as float32 ``[Hq]`` (a never-read place holder without ALiBi)."""
+    if alibi_slopes is None:
+        return query.new_empty(1, dtype=torch.float32)
+    if tuple(alibi_slopes.shape) != (query.shape[1],) or alibi_slopes.device != query.device:
+        raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
+                         f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    return alibi_slopes.float().contiguous()
+
+
+def wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether slot offsets (slot index times the sequence stride) may overflow int32."""
+    return any(t.shape[2] * abs(t.stride(2)) >= 2**31 for t in tensors)
+
+
+def attention_outputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, selection: BlockSelection,
+                      kv_start: torch.Tensor, logn_base: int | None, skip: torch.Tensor | None,
+                      key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+                      alibi_slopes: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None):
+    """Validate a sparse-attention call and prepare what every attention launcher passes on: ``(out, lse,
+    inv_log_base, skip_flags, key_scale, value_scale, slopes)`` with ``out`` / ``lse`` allocated when not given."""
+    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
+    inv_log_base, skip_flags = feature_args(logn_base, skip, query)
+    key_scale, value_scale = scale_args(key_scale, value_scale, key)
+    slopes = alibi_args(alibi_slopes, query)
+    batch, q_heads, num_queries = query.shape[:3]
+    out_shape, lse_shape = (batch, q_heads, num_queries, value.shape[3]), (batch, q_heads, num_queries)
+    if out is None:
+        out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=query.device)
+    if tuple(out.shape) != out_shape or tuple(lse.shape) != lse_shape:
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
+    return out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes

@@ -19,8 +19,8 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
 from .merge_lse import merge_lse
-from .sparse_prefill import (_attend_entries, _finish, cdiv, check_attention_inputs, dot_settings, feature_args,
-                             heads_per_program, next_power_of_2, scale_args, wide_offsets, alibi_args)
+from ._common import attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, wide_offsets
+from .sparse_prefill import _attend_entries, _finish
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
@@ -143,21 +143,13 @@ def sparse_decode(
     ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
     back to the host.
     """
-    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
-    inv_log_base, skip_flags = feature_args(logn_base, skip, query)
-    key_scale, value_scale = scale_args(key_scale, value_scale, key)
-    slopes = alibi_args(alibi_slopes, query)
+    out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
+        query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
         raise ValueError(f"sparse_decode needs one query tile and 1..{MAX_DECODE_QUERIES} queries; "
                          "use sparse_prefill otherwise")
-    if out is None:
-        out = torch.empty(batch, q_heads, num_queries, head_dim_v, dtype=query.dtype, device=query.device)
-    if lse is None:
-        lse = torch.empty(batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
-    if tuple(out.shape) != (batch, q_heads, num_queries, head_dim_v) or tuple(lse.shape) != (batch, q_heads, num_queries):
-        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
     if batch * q_heads == 0:
         return out, lse
     sel_heads = selection.num_heads

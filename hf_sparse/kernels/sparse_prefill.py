@@ -22,60 +22,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
-from ._common import dot_settings, interpreting
+from ._common import attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, wide_offsets
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
-
-
-def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           selection: BlockSelection, kv_start: torch.Tensor,
-                           key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
-    """Raise a clear error for inputs the attention kernels do not take."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError("sparse attention takes BNSD tensors: query [B,Hq,Sq,D], key [B,Hkv,Skv,D], value [B,Hkv,Skv,Dv]")
-    quantized = key_scale is not None or value_scale is not None
-    for name, tensor in (("query", query),) + (() if quantized else (("key", key), ("value", value))):
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} dtype {tensor.dtype} unsupported: use float16, bfloat16 or float32")
-    if quantized:
-        if key.dtype != torch.int8 or value.dtype != torch.int8 or key_scale is None or value_scale is None:
-            raise TypeError("key_scale/value_scale go with int8 key and value (both), got "
-                            f"{key.dtype}/{value.dtype}")
-        for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
-            if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(key.shape[:3]) or scale.device != key.device:
-                raise ValueError(f"{name} must be float32 [B, Hkv, Skv] = {tuple(key.shape[:3])} on {key.device}, "
-                                 f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
-    elif not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}"
-                        + (" (int8 K/V need key_scale and value_scale)" if key.dtype == torch.int8 else ""))
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"query and key head dims differ ({query.shape[-1]} vs {key.shape[-1]})")
-    if max(query.shape[-1], value.shape[-1]) > 256:
-        raise ValueError("head dims above 256 are not supported by the Triton kernels; set HF_SPARSE_BACKEND=torch")
-    batch, q_heads = query.shape[:2]
-    kv_heads = key.shape[1]
-    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or kv_heads == 0 or q_heads % kv_heads:
-        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-    sel_heads = selection.num_heads
-    if sel_heads == 0 or q_heads % sel_heads or sel_heads % kv_heads:
-        raise ValueError(f"selection has {sel_heads} head rows; need a divisor of {q_heads} query heads and a "
-                         f"multiple of {kv_heads} KV heads")
-    if selection.indices.shape[0] != batch or kv_start.shape != (batch,) or kv_start.is_floating_point():
-        raise ValueError("selection / kv_start ([batch] integers) do not match the query")
-    if selection.indices.dtype != torch.int32 or selection.counts.dtype != torch.int32:
-        raise TypeError("selection indices and counts must be int32")
-    if not query.device == key.device == value.device == selection.indices.device == selection.counts.device:
-        raise ValueError("query, key, value and selection must be on one device")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -86,15 +36,6 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
         configs.append((TUNING["block_m"], TUNING["block_n"], TUNING["num_stages"]))
     configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
     return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
-
-
-def heads_per_program(heads_per_row: int, rows_per_head: int, max_rows: int = 128) -> int:
-    """Largest divisor of ``heads_per_row`` whose heads times ``rows_per_head`` rows fit ``max_rows``."""
-    best = 1
-    for heads in range(1, heads_per_row + 1):
-        if heads_per_row % heads == 0 and heads * rows_per_head <= max_rows:
-            best = heads
-    return best
 
 
 @triton.jit
@@ -310,46 +251,6 @@ def _sparse_prefill_kernel(
         tl.store(lse_rows + query * stride_ls, lse, mask=row_ok)
 
 
-def feature_args(logn_base: int | None, skip: torch.Tensor | None, query: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Kernel arguments of the optional features: ``1 / log(logn_base)`` (0 when off) and the skip flags as
-    uint8 (a view of the bool tensor; ``kv_start``'s place holder when there is none)."""
-    inv_log_base = 0.0
-    if logn_base is not None:
-        if int(logn_base) < 2:
-            raise ValueError(f"logn_base (the training length) must be >= 2, got {logn_base}")
-        inv_log_base = 1.0 / math.log(int(logn_base))
-    if skip is None:
-        return inv_log_base, query.new_empty(1, dtype=torch.uint8)
-    if skip.shape != (query.shape[0],) or skip.dtype != torch.bool or skip.device != query.device:
-        raise ValueError(f"skip must be a [batch={query.shape[0]}] bool tensor on {query.device}, got "
-                         f"{tuple(skip.shape)} {skip.dtype} on {skip.device}")
-    return inv_log_base, skip.contiguous().view(torch.uint8)
-
-
-def scale_args(key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
-               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 K/V scales, or (never read) place holders ``[1, 1, 1]`` for unquantised K/V."""
-    if key_scale is None:
-        dummy = key.new_empty(1, 1, 1, dtype=torch.float32)
-        return dummy, dummy
-    return key_scale, value_scale
-
-
-def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
-    """The ALiBi slopes as float32 ``[Hq]`` (a never-read place holder without ALiBi)."""
-    if alibi_slopes is None:
-        return query.new_empty(1, dtype=torch.float32)
-    if tuple(alibi_slopes.shape) != (query.shape[1],) or alibi_slopes.device != query.device:
-        raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
-                         f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
-    return alibi_slopes.float().contiguous()
-
-
-def wide_offsets(*tensors: torch.Tensor) -> bool:
-    """Whether slot offsets (slot index times the sequence stride) may overflow int32."""
-    return any(t.shape[2] * abs(t.stride(2)) >= 2**31 for t in tensors)
-
-
 def sparse_prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -373,18 +274,10 @@ def sparse_prefill(
     written in place when given (any strides). Every element of the rows not in ``skip`` is written; the
     rows in ``skip`` are not touched.
     """
-    check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
-    inv_log_base, skip_flags = feature_args(logn_base, skip, query)
-    key_scale, value_scale = scale_args(key_scale, value_scale, key)
-    slopes = alibi_args(alibi_slopes, query)
+    out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
+        query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    if out is None:
-        out = torch.empty(batch, q_heads, num_queries, head_dim_v, dtype=query.dtype, device=query.device)
-    if lse is None:
-        lse = torch.empty(batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
-    if tuple(out.shape) != (batch, q_heads, num_queries, head_dim_v) or tuple(lse.shape) != (batch, q_heads, num_queries):
-        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
     if batch * q_heads * num_queries == 0:
         return out, lse
     block_size, query_tile = selection.block_size, selection.query_tile
