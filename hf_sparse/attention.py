@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -32,13 +33,23 @@ def _parse_config(serialized: str, method: str) -> Any:
     return config_from_dict(json.loads(serialized), default_method=method)
 
 
+#: Last parse per model config: (its stored dict as parsed, method, config). Every attention call asks, so
+#: an unchanged dict is answered by one comparison, not a re-serialisation.
+_LAST_PARSED: dict[int, tuple[dict, str, Any]] = {}
+
+
 def method_config(model_config: Any, method: str = "plas") -> Any:
     """The configuration of ``method`` stored in a model's config (its defaults when none, or another
     method's, is attached)."""
     stored = getattr(model_config, CONFIG_KEY, None)
     if not stored or stored.get("method", "plas") != method:
         return _parse_config("{}", method)
-    return _parse_config(json.dumps(stored, sort_keys=True), method)
+    last = _LAST_PARSED.get(id(model_config))
+    if last is not None and last[1] == method and last[0] == stored:
+        return last[2]
+    config = _parse_config(json.dumps(stored, sort_keys=True), method)
+    _LAST_PARSED[id(model_config)] = (copy.deepcopy(stored), method, config)
+    return config
 
 
 # -- sparsity recording ------------------------------------------------------------------------------------
@@ -238,7 +249,10 @@ def sparse_attention_forward(
         raise NotImplementedError("hf_sparse sparse attention does not support attention dropout (use model.eval())")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     q_offset = key_length - num_queries
-    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=phase == "prefill")
+    if phase == "decode" and cache_layer is not None and cache_layer.kv_start is not None:
+        kv_start = cache_layer.kv_start  # the layout taken from the mask when the sequence started
+    else:
+        kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=phase == "prefill")
     gate = get_gate_weight(module)
     if gate is not None and tuple(gate.shape) != (key.shape[1], config.block_size, head_dim):
         raise ValueError(
@@ -249,7 +263,7 @@ def sparse_attention_forward(
     if quantized:
         scales = {"key_scale": cache_layer.key_scales, "value_scale": cache_layer.value_scales}
     if cache_layer is not None and cache_layer.block_size == config.block_size:
-        summaries = cache_layer.block_summaries(gate, kv_start, kernels.block_summaries)
+        summaries = cache_layer.block_summaries(gate, kv_start)
     elif quantized:
         dequantized = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
         summaries = kernels.block_summaries(dequantized, gate, kv_start, config.block_size)

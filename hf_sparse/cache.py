@@ -6,11 +6,11 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels
+
 #: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
 #: reach the layer (transformers does not pass the cache object to attention functions).
 LAYER_ATTR = "_hf_sparse_layer"
-
-SummaryFn = Callable[..., torch.Tensor]
 
 #: Storage dtypes of :class:`SparseCache` K/V: ``"auto"`` (the states' own dtype) or ``"int8"``.
 KV_DTYPES = ("auto", "int8")
@@ -117,13 +117,10 @@ class SparseCacheLayer(CacheLayerMixin):
         return self._views()
 
     # -- summaries ----------------------------------------------------------------------------------------
-    def block_summaries(
-        self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor, summarize: SummaryFn
-    ) -> torch.Tensor:
+    def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
         """Summaries of every row block ``[B, H, num_blocks, D]`` (blocks counted from each row's first slot).
 
-        Blocks full in every row are summarised once (``summarize`` is ``kernels.block_summaries``); the
-        later, partly filled ones (at most the padding spread plus one) are recomputed exactly on each call.
+        Blocks full in every row are summarised once (``kernels.block_summaries``); the later, partly filled ones (at most the padding spread plus one) are recomputed exactly on each call.
         A different gate recomputes all. The padding layout ``kv_start`` is taken when the sequence starts
         and kept (one host read per sequence, none per decode step).
         """
@@ -139,28 +136,27 @@ class SparseCacheLayer(CacheLayerMixin):
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
         if full_blocks > self.summarized_blocks:
-            first = self.summarized_blocks
-            self.summary_storage[:, :, first:full_blocks] = self._summarize(
-                summarize, gate_weight, kv_start, first, full_blocks - first, least_pad)
+            self._summarize(gate_weight, kv_start, self.summarized_blocks, full_blocks, least_pad)
             self.summarized_blocks = full_blocks
         if total_blocks > full_blocks:
-            self.summary_storage[:, :, full_blocks:total_blocks] = self._summarize(
-                summarize, gate_weight, kv_start, full_blocks, total_blocks - full_blocks, least_pad)
+            self._summarize(gate_weight, kv_start, full_blocks, total_blocks, least_pad)
         return self.summary_storage[:, :, :total_blocks]
 
-    def _summarize(self, summarize: SummaryFn, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
-                   first: int, count: int, least_pad: int) -> torch.Tensor:
-        """Summaries of row blocks ``[first, first + count)``; int8 storage dequantises only the slots they
-        cover (from the least padded row's first one), in the dtype the model computes in."""
+    def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
+                   first: int, end: int, least_pad: int) -> None:
+        """Write the summaries of row blocks ``[first, end)`` into the storage; int8 storage dequantises only
+        the slots they cover (from the least padded row's first one), in the dtype the model computes in."""
         keys = self.key_storage[:, :, : self.length]
+        count, target = end - first, self.summary_storage[:, :, first:end]
         if not self.quantized:
-            return summarize(keys, gate_weight, kv_start, self.block_size, first, count)
+            kernels.block_summaries(keys, gate_weight, kv_start, self.block_size, first, count, out=target)
+            return
         low = least_pad + first * self.block_size
         high = min(self.length, self._padding_range[1] + (first + count) * self.block_size)
         window = (keys[:, :, low:high].float() * self.key_scale_storage[:, :, low:high, None]).to(self.dtype)
         # Row b's block first + j starts at kv_start[b] + (first + j) * block_size, i.e. window slot
         # (kv_start[b] - low + first * block_size) + j * block_size: the window's own block j.
-        return summarize(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0, count)
+        kernels.block_summaries(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0, count, out=target)
 
     # -- Cache protocol -----------------------------------------------------------------------------------
     def get_seq_length(self) -> int:

@@ -281,6 +281,26 @@ def test_select_blocks_exact_on_separated_scores(size, phase, batch, q_heads, kv
     assert (selection.counts > 0).any()
 
 
+@pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])
+def test_decode_select_spans_several_block_chunks(dtype, num_queries):
+    """A decode row of 150-odd blocks: its logits come from several programs, the last of which selects."""
+    gen = torch.Generator().manual_seed(seed("chunks", dtype, num_queries))
+    batch, q_heads, kv_heads, dim, block, top_k = 2, 4, 2, 32, 4, (5, 8)
+    length = 611
+    kv_start = torch.tensor([0, 9], device=DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    query, summaries, scale = separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k,
+                                                DTYPES[dtype], gen, False)
+    kwargs = dict(scale=scale, q_offset=length - num_queries, kv_start=kv_start, block_size=block, top_k=top_k,
+                  query_tile=num_queries, head_union=True, sink_blocks=1, key_length=length)
+    expected = ref.select_blocks(query, summaries, **kwargs)
+    for _ in range(2):  # the second call finds the ticket counters reset by the first
+        selection = run_select(query, summaries, **kwargs)
+        assert torch.equal(selection.counts, expected.counts)
+        assert torch.equal(selection.indices, expected.indices)
+    assert num_blocks > 128 and (expected.counts > top_k[0]).all()
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
     ("prefill", 3, 8, 2, 128, "bf16"),

@@ -59,11 +59,13 @@ def _triton_ops_present() -> bool:
     return _TRITON_OPS is not None
 
 
-def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None):
-    """See :func:`reference.block_summaries`."""
+def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None, *, out=None):
+    """See :func:`reference.block_summaries`; ``out`` (float32, the result's shape, any strides) receives the
+    result in place when given."""
     if backend_for(keys) == "triton":
-        return _TRITON_OPS[0].block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
-    return reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
+        return _TRITON_OPS[0].block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks, out=out)
+    result = reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
+    return result if out is None else out.copy_(result)
 
 
 def select_blocks(query, summaries, **kwargs):

@@ -72,6 +72,28 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError("query, key, value and selection must be on one device")
 
 
+_SM_COUNTS: dict[int, int] = {}
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs tens of microseconds)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters on ``device``, shared by launches of one stream: a kernel that
+    takes tickets (the last of a group of programs to arrive does the group's final step) resets its own."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

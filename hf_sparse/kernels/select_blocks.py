@@ -6,9 +6,9 @@ time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped ov
 threshold search per query, the forced diagonal and sink blocks, and an OR into the tile's block mask (a
 scratch row of ``NB_PAD`` bytes). Scores stay in registers: nothing of size ``[B, H, Sq, num_blocks]`` is
 written. The mask is compacted in the same program (prefix sum) into the ascending ``BlockSelection`` row,
--1 padded, and its count. Decode (one tile of few rows) first computes its logits with programs spread
-over the blocks (``_row_logits_kernel``, a buffer of rows x blocks), since one program per row would read
-the whole summary row through a single SM.
+-1 padded, and its count. Decode (one tile of few rows) runs ``_decode_select_kernel`` instead: its logits
+come from programs spread over the blocks (one program per row would read the whole summary row through a
+single SM) into a buffer of rows x blocks, and the last program of each row selects, in the same launch.
 
 The threshold search is the reference's bisection, done on logits: ``p_j >= f * max(p)`` is
 ``l_j >= max(l) + log(f)``, so neither the softmax normaliser nor an exp per block is needed. Results equal
@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..selection import BlockSelection
 from . import reference
+from ._common import ticket_counters
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,60 @@ TUNING = {"logits_per_program": 8192, "logits_per_warp": 1024, "min_block_q": 32
 
 
 @triton.jit
+def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS: tl.constexpr):
+    """Blocks each row chooses ``[BLOCK_Q, NB_PAD]``: the threshold top-k of its masked logits, plus its own
+    block and the sink blocks, within its causal range.
+
+    The reference's bisection on f in [0, 1] (its threshold divided by the row's top probability), done on
+    logits. Rows with at most ``top_right`` available blocks take them all and do not search. Stops once
+    every row has landed: later steps would not change a landed row.
+    """
+    n_available = row_last + 1
+    row_max = tl.max(logits, 1)
+    searching = (n_available > top_right).to(tl.int32)
+    found = 1 - searching
+    low = tl.zeros_like(row_max)
+    high = tl.full(row_max.shape, 1.0, tl.float32)
+    threshold = tl.zeros_like(row_max)
+    step = 0
+    open_rows = tl.sum(1 - found, 0)
+    while (step < search_steps) & (open_rows > 0):
+        mid = (low + high) * 0.5
+        cut = row_max + tl.log(mid)
+        count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
+        landed = (count >= top_left) & (count <= top_right) & (found == 0)
+        threshold = tl.where(landed, mid, threshold)
+        found = tl.where(landed, 1, found)
+        too_many = count > top_right
+        low = tl.where(too_many & (found == 0), mid, low)
+        high = tl.where((count <= top_right) & (found == 0), mid, high)
+        step += 1
+        open_rows = tl.sum(1 - found, 0)
+    threshold = tl.where(found > 0, threshold, low)
+    # Threshold 0 (never landed, never too many) and rows that do not search: every available block.
+    cut = tl.where((threshold > 0.0) & (searching > 0), row_max + tl.log(tl.maximum(threshold, 1e-30)),
+                   float("-inf"))
+    forced = (blocks[None, :] == own_block[:, None]) | (blocks[None, :] < SINK_BLOCKS)
+    return ((logits >= cut[:, None]) | forced) & (blocks[None, :] <= row_last[:, None])
+
+
+@triton.jit
+def _store_selection(union, blocks, row_ptr, stride_ik, count_ptr, num_blocks, NB_PAD: tl.constexpr):
+    """Compact a tile's 0/1 block mask ``union`` (int32 ``[NB_PAD]``): selected ids first in ascending order,
+    then -1 up to the row's end; and its count."""
+    count = tl.sum(union, 0)
+    before = tl.cumsum(union, 0)
+    position = tl.where(union > 0, before - 1, count + blocks - before)
+    value = tl.where(union > 0, blocks, -1)
+    tl.store(row_ptr + position * stride_ik, value, mask=position < num_blocks)
+    for p0 in range(NB_PAD, num_blocks, NB_PAD):
+        tl.store(row_ptr + (p0 + blocks) * stride_ik, tl.full([NB_PAD], -1, tl.int32), mask=p0 + blocks < num_blocks)
+    tl.store(count_ptr, count)
+
+
+@triton.jit
 def _select_blocks_kernel(
-    Q, S, INDICES, COUNTS, KV_START, UNION, LOGITS,
+    Q, S, INDICES, COUNTS, KV_START, UNION,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     stride_ib, stride_ih, stride_it, stride_ik,
@@ -51,7 +104,7 @@ def _select_blocks_kernel(
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRECOMPUTED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -81,67 +134,25 @@ def _select_blocks_kernel(
         own_block = (q_slot - kv_start) // BLOCK_SIZE
         row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
 
-        if PRECOMPUTED:
-            # one tile whose rows fit one chunk (decode): _row_logits_kernel wrote them, masked and scaled
-            logits = tl.load(LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD + blocks[None, :])
-        else:
-            # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
-            chunk_last = tl.max(row_last, 0)
-            logits = tl.zeros([BLOCK_Q, NB_PAD], tl.float32)
-            for d0 in range(0, D_PAD, D_CHUNK):
-                offs_d = d0 + tl.arange(0, D_CHUNK)
-                q = tl.load(q_base + head[:, None].to(tl.int64) * stride_qh + query[:, None].to(tl.int64) * stride_qs
-                            + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-                s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
-                            mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
-                logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-            logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
-        n_available = row_last + 1
-        row_max = tl.max(logits, 1)
-
-        # Bisection on f in [0, 1] (the reference's threshold divided by the row's top probability). Rows
-        # with at most top_right available blocks take them all and do not search. Stops once every row of
-        # the chunk has landed: later steps would not change a landed row.
-        searching = (n_available > top_right).to(tl.int32)
-        found = 1 - searching
-        low = tl.zeros([BLOCK_Q], tl.float32)
-        high = tl.full([BLOCK_Q], 1.0, tl.float32)
-        threshold = tl.zeros([BLOCK_Q], tl.float32)
-        step = 0
-        open_rows = tl.sum(1 - found, 0)
-        while (step < search_steps) & (open_rows > 0):
-            mid = (low + high) * 0.5
-            cut = row_max + tl.log(mid)
-            count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
-            landed = (count >= top_left) & (count <= top_right) & (found == 0)
-            threshold = tl.where(landed, mid, threshold)
-            found = tl.where(landed, 1, found)
-            too_many = count > top_right
-            low = tl.where(too_many & (found == 0), mid, low)
-            high = tl.where((count <= top_right) & (found == 0), mid, high)
-            step += 1
-            open_rows = tl.sum(1 - found, 0)
-        threshold = tl.where(found > 0, threshold, low)
-        # Threshold 0 (never landed, never too many) and rows that do not search: every available block.
-        cut = tl.where((threshold > 0.0) & (searching > 0), row_max + tl.log(tl.maximum(threshold, 1e-30)),
-                       float("-inf"))
-        forced = (blocks[None, :] == own_block[:, None]) | (blocks[None, :] < SINK_BLOCKS)
-        chosen = ((logits >= cut[:, None]) | forced) & (blocks[None, :] <= row_last[:, None])
+        # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
+        chunk_last = tl.max(row_last, 0)
+        logits = tl.zeros([BLOCK_Q, NB_PAD], tl.float32)
+        for d0 in range(0, D_PAD, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            q = tl.load(q_base + head[:, None].to(tl.int64) * stride_qh + query[:, None].to(tl.int64) * stride_qs
+                        + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
+                        mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
+        logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+        chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
     tl.debug_barrier()
 
-    # Compaction: selected ids first in ascending order, then -1 up to the row's end.
     union = tl.load(union_row + blocks, cache_modifier=".cg").to(tl.int32)
-    count = tl.sum(union, 0)
-    before = tl.cumsum(union, 0)
-    position = tl.where(union > 0, before - 1, count + blocks - before)
-    value = tl.where(union > 0, blocks, -1)
-    row_ptr = INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih + tile * stride_it
-    tl.store(row_ptr + position * stride_ik, value, mask=position < num_blocks)
-    for p0 in range(NB_PAD, num_blocks, NB_PAD):
-        tl.store(row_ptr + (p0 + blocks) * stride_ik, tl.full([NB_PAD], -1, tl.int32), mask=p0 + blocks < num_blocks)
-    tl.store(COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct, count)
+    _store_selection(union, blocks, INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih + tile * stride_it,
+                     stride_ik, COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct, num_blocks, NB_PAD)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -150,25 +161,29 @@ def _next_power_of_2(n: int) -> int:
 
 
 @triton.jit
-def _row_logits_kernel(
-    Q, S, LOGITS, KV_START,
+def _decode_select_kernel(
+    Q, S, LOGITS, KV_START, INDICES, COUNTS, TICKETS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
-    num_queries, key_length, q_offset, num_blocks, scale,
+    stride_ib, stride_ih, stride_ik,
+    stride_cb, stride_ch,
+    num_queries, key_length, q_offset, num_blocks, scale, top_left, top_right, search_steps, chunks,
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SINK_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Scaled, masked logits of one selection row's queries (a single tile) against NB_CHUNK blocks.
+    """Selection of a call with one query tile of few rows (decode), in one launch.
 
-    Decode has few rows and one tile: one program per row would read the whole summary row on one SM, so
-    the summaries are spread over (row, block chunk) programs and the threshold pass reads the logits.
+    One program per (selection row, chunk of NB_CHUNK blocks) writes the chunk's scaled, masked logits to
+    LOGITS (one program per row would read the whole summary row through one SM); the last program of a
+    row to finish (a ticket per row, reset by it) reads the row's logits back and selects.
     """
     row_id = tl.program_id(0)
     blocks = tl.program_id(1) * NB_CHUNK + tl.arange(0, NB_CHUNK)
     b = row_id // SEL_HEADS
-    first_q_head = (row_id % SEL_HEADS) * HEADS_PER_ROW
+    sel_head = row_id % SEL_HEADS
+    first_q_head = sel_head * HEADS_PER_ROW
     kv_head = first_q_head // GROUP
     kv_start = tl.load(KV_START + b).to(tl.int32)
     pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
@@ -177,7 +192,8 @@ def _row_logits_kernel(
     head = first_q_head + rows // QUERY_TILE
     query = pad_q + rows % QUERY_TILE
     real = (rows < ROWS) & (query < num_queries)
-    row_last = tl.where(real, tl.minimum((q_offset + query - kv_start) // BLOCK_SIZE, last_block), -1)
+    own_block = (q_offset + query - kv_start) // BLOCK_SIZE
+    row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
     logits = tl.zeros([BLOCK_Q, NB_CHUNK], tl.float32)
     for d0 in range(0, D_PAD, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
@@ -188,7 +204,19 @@ def _row_logits_kernel(
                     other=0.0)
         logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
     logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
-    tl.store(LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD + blocks[None, :], logits)
+    row_logits = LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD
+    tl.store(row_logits + blocks[None, :], logits)
+
+    tl.debug_barrier()
+    ticket = tl.atomic_add(TICKETS + row_id, 1, sem="acq_rel")
+    if ticket == chunks - 1:
+        all_blocks = tl.arange(0, NB_PAD)
+        row = tl.load(row_logits + all_blocks[None, :], cache_modifier=".cg")
+        chosen = _choose(row, row_last, own_block, all_blocks, top_left, top_right, search_steps, SINK_BLOCKS)
+        _store_selection(tl.max(chosen.to(tl.int32), 0), all_blocks,
+                         INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih, stride_ik,
+                         COUNTS + b * stride_cb + sel_head * stride_ch, num_blocks, NB_PAD)
+        tl.store(TICKETS + row_id, 0)
 
 
 def _interpreting() -> bool:
@@ -304,24 +332,26 @@ def select_blocks(
         d_chunk = 16  # the summaries chunk of one dot: bounded registers while loading, shared memory for the dot
         while d_chunk * 2 <= min(d_pad, TUNING["chunk_bytes"] // (nb_pad * elem)):
             d_chunk *= 2
-        union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=query.device)
         args = (num_queries, key_length, q_offset, num_blocks, float(scale))
         shape_args = dict(SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads,
                           QUERY_TILE=query_tile, ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size,
-                          HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision)
-        precomputed = num_tiles == 1 and rows <= block_q
-        logits = union  # a placeholder pointer: the kernel reads LOGITS only when PRECOMPUTED
-        if precomputed:
+                          HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                          SINK_BLOCKS=sink_blocks)
+        if num_tiles == 1 and rows <= block_q:  # decode
             nb_chunk = min(nb_pad, 64)
             logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
-            _row_logits_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
-                query, summaries, logits, kv_start, *query.stride(), *summaries.stride(), *args,
-                NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=4, **shape_args,
+            _decode_select_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
+                query, summaries, logits, kv_start, indices, counts, ticket_counters(batch * sel_heads, query.device),
+                *query.stride(), *summaries.stride(), indices.stride(0), indices.stride(1), indices.stride(3),
+                counts.stride(0), counts.stride(1), *args, left, right, search_steps, nb_pad // nb_chunk,
+                NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=warps, **shape_args,
             )
+            continue
+        union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=query.device)
         _select_blocks_kernel[(batch * sel_heads, tiles)](
-            query, summaries, indices, counts, kv_start, union, logits,
+            query, summaries, indices, counts, kv_start, union,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
-            D_CHUNK=d_chunk, SINK_BLOCKS=sink_blocks, PRECOMPUTED=precomputed, num_warps=warps, **shape_args,
+            D_CHUNK=d_chunk, num_warps=warps, **shape_args,
         )
     return selection

@@ -4,8 +4,9 @@ Semantics: :func:`hf_sparse.kernels.reference.sparse_attention` for a selection 
 program serves every query head that shares the row (all heads of a GQA group when the selection has one row
 per KV head) and every query, packed as the rows of one tile, so each selected K/V block is read once for
 the group. When few (batch, row) pairs would leave the GPU idle, the row's selected blocks are split evenly
-(from the count, on the device: no host sync) over ``splits`` programs, and a second pass merges the
-partial results by log-sum-exp (:mod:`.merge_lse`).
+(from the count, on the device: no host sync) over ``splits`` programs that write partial results; the last
+of them to finish (a ticket counter per program row, reset by it) merges the partials by log-sum-exp in the
+same launch (the merge of :mod:`.merge_lse`, without a second launch).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
-from .merge_lse import merge_lse
-from ._common import attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, wide_offsets
+from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, sm_count,
+                      ticket_counters, wide_offsets)
 from .sparse_prefill import _attend_entries, _finish
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
@@ -30,13 +31,15 @@ TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES, FINAL, FINAL_LSE, TICKETS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_on, stride_ob, stride_oh, stride_os, stride_od,
     stride_ln, stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fs, stride_fd,
+    stride_gb, stride_gh, stride_gs,
     stride_ib, stride_ih, stride_ik,
     stride_cb, stride_ch,
     key_length, q_offset, scale_log2, inv_log_base, splits,
@@ -46,6 +49,7 @@ def _sparse_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,13 +112,44 @@ def _sparse_decode_kernel(
              + query[:, None] * stride_os + offs_dv[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(LSE + split64 * stride_ln + b64 * stride_lb + head * stride_lh + query * stride_ls, lse, mask=head_ok)
+    if MERGE:
+        # Every thread's partial stores are issued (barrier) and released (the ticket) before the last program
+        # of this row reads them; it merges, then resets the ticket for the next launch.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(TICKETS + pid, 1, sem="acq_rel")
+        if ticket == splits - 1:
+            part_rows = b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + query[:, None] * stride_os \
+                + offs_dv[None, :] * stride_od
+            lse_rows = b64 * stride_lb + head * stride_lh + query * stride_ls
+            top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for n in range(0, splits):
+                top = tl.maximum(top, tl.load(LSE + n * stride_ln + lse_rows, mask=head_ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
+            top_safe = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            merged = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+            for n in range(0, splits):
+                weight = tl.exp(tl.load(LSE + n * stride_ln + lse_rows, mask=head_ok, other=float("-inf"),
+                                        cache_modifier=".cg") - top_safe)
+                part = tl.load(OUT + n * stride_on + part_rows, mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+                               other=0.0, cache_modifier=".cg")
+                merged += weight[:, None] * part.to(tl.float32)
+                total += weight
+            seen = total > 0.0
+            merged = merged / tl.where(seen, total, 1.0)[:, None]
+            merged_lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+            tl.store(FINAL + b64 * stride_fb + head[:, None].to(tl.int64) * stride_fh + query[:, None] * stride_fs
+                     + offs_dv[None, :] * stride_fd, merged.to(FINAL.dtype.element_ty),
+                     mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+            tl.store(FINAL_LSE + b64 * stride_gb + head * stride_gh + query * stride_gs, merged_lse, mask=head_ok)
+            tl.store(TICKETS + pid, 0)
 
 
 def default_splits(programs: int, width: int, device: torch.device) -> int:
     """Splits per selection row: enough programs for ``programs_per_sm`` per SM, at most one per listed block."""
     if device.type != "cuda":
         return max(1, min(2, width))  # the interpreter: exercise the merge
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     wanted = cdiv(TUNING["programs_per_sm"] * sms, max(1, programs))
     return max(1, min(wanted, width, TUNING["max_splits"]))
 
@@ -163,9 +198,11 @@ def sparse_decode(
     dot_fp32, precision = dot_settings(query.dtype)
     if splits == 1:
         part_out, part_lse = out[None], lse[None]
+        tickets = lse  # never read
     else:
         part_out = torch.empty(splits, batch, q_heads, num_queries, head_dim_v, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(splits, batch, q_heads, num_queries, dtype=torch.float32, device=query.device)
+        tickets = ticket_counters(programs, query.device)
     indices = selection.indices[:, :, 0]
     counts = selection.counts[:, :, 0]
     kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
@@ -178,8 +215,9 @@ def sparse_decode(
         try:
             _sparse_decode_kernel[(programs, splits)](
                 query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
+                out, lse, tickets,
                 *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
-                *part_out.stride(), *part_lse.stride(),
+                *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 *indices.stride(), *counts.stride(),
                 key_length, q_offset, scale * math.log2(math.e), inv_log_base, splits,
                 SEL_HEADS=sel_heads, HEAD_GROUPS=head_groups, HEADS_PER_ROW=heads_per_row,
@@ -189,13 +227,11 @@ def sparse_decode(
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-                ALIBI=alibi_slopes is not None, num_warps=TUNING["num_warps"], num_stages=stages,
+                ALIBI=alibi_slopes is not None, MERGE=splits > 1, num_warps=TUNING["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller
             continue
     else:
         raise RuntimeError("no sparse_decode tile configuration fits this GPU's shared memory")
-    if splits == 1:
-        return out, lse
-    return merge_lse(part_out, part_lse, out=out, out_lse=lse, skip=skip)
+    return out, lse
