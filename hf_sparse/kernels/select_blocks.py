@@ -2,13 +2,13 @@
 
 Semantics: :func:`hf_sparse.kernels.reference.select_blocks`. One program per (batch, selection row, query
 tile) walks the row's queries (and, with ``head_union``, the query heads of its GQA group) ``BLOCK_Q`` at a
-time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped over the head dim), the
-threshold search per query, the forced diagonal and sink blocks, and an OR into the tile's block mask (a
-scratch row of ``NB_PAD`` bytes). Scores stay in registers: nothing of size ``[B, H, Sq, num_blocks]`` is
-written. The mask is compacted in the same program (prefix sum) into the ascending ``BlockSelection`` row,
--1 padded, and its count. Decode (one tile of few rows) first computes its logits with programs spread
-over the blocks (``_row_logits_kernel``, a buffer of rows x blocks), since one program per row would read
-the whole summary row through a single SM.
+time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped over the head dim; with
+``ALIBI`` plus the bias at each block's centre), the threshold search per query, the forced diagonal and
+sink blocks, and an OR into the tile's block mask (a scratch row of ``NB_PAD`` bytes). Scores stay in
+registers: nothing of size ``[B, H, Sq, num_blocks]`` is written. The mask is compacted in the same program
+(prefix sum) into the ascending ``BlockSelection`` row, -1 padded, and its count. Decode (one tile of few
+rows) first computes its logits with programs spread over the blocks (``_row_logits_kernel``, a buffer of
+rows x blocks), since one program per row would read the whole summary row through a single SM.
 
 The threshold search is the reference's bisection, done on logits: ``p_j >= f * max(p)`` is
 ``l_j >= max(l) + log(f)``, so neither the softmax normaliser nor an exp per block is needed. Results equal
@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..selection import BlockSelection
 from . import reference
+from ._common import alibi_args
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,18 @@ TUNING = {"logits_per_program": 8192, "logits_per_warp": 1024, "min_block_q": 32
 
 
 @triton.jit
+def _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE: tl.constexpr):
+    """``slope[head] * (min(block centre, query slot) - query slot)`` per (query row, block): the ALiBi bias
+    of the reference's selection."""
+    slope = tl.load(SLOPES + head, mask=real, other=0.0)
+    centre = (kv_start + blocks * BLOCK_SIZE).to(tl.float32) + (BLOCK_SIZE - 1) * 0.5
+    slot = q_slot.to(tl.float32)[:, None]
+    return slope[:, None] * (tl.minimum(centre[None, :], slot) - slot)
+
+
+@triton.jit
 def _select_blocks_kernel(
-    Q, S, INDICES, COUNTS, KV_START, UNION, LOGITS,
+    Q, S, INDICES, COUNTS, KV_START, UNION, LOGITS, SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     stride_ib, stride_ih, stride_it, stride_ik,
@@ -51,7 +62,7 @@ def _select_blocks_kernel(
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRECOMPUTED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRECOMPUTED: tl.constexpr, ALIBI: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -95,7 +106,10 @@ def _select_blocks_kernel(
                 s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
                             mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
                 logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-            logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+            logits = logits * scale
+            if ALIBI:  # before the row maximum: the threshold search runs on the biased logits
+                logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
+            logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
         n_available = row_last + 1
         row_max = tl.max(logits, 1)
 
@@ -151,16 +165,17 @@ def _next_power_of_2(n: int) -> int:
 
 @triton.jit
 def _row_logits_kernel(
-    Q, S, LOGITS, KV_START,
+    Q, S, LOGITS, KV_START, SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     num_queries, key_length, q_offset, num_blocks, scale,
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
 ):
-    """Scaled, masked logits of one selection row's queries (a single tile) against NB_CHUNK blocks.
+    """Scaled (with ``ALIBI`` biased), masked logits of one selection row's queries (a single tile) against
+    NB_CHUNK blocks.
 
     Decode has few rows and one tile: one program per row would read the whole summary row on one SM, so
     the summaries are spread over (row, block chunk) programs and the threshold pass reads the logits.
@@ -177,7 +192,8 @@ def _row_logits_kernel(
     head = first_q_head + rows // QUERY_TILE
     query = pad_q + rows % QUERY_TILE
     real = (rows < ROWS) & (query < num_queries)
-    row_last = tl.where(real, tl.minimum((q_offset + query - kv_start) // BLOCK_SIZE, last_block), -1)
+    q_slot = q_offset + query
+    row_last = tl.where(real, tl.minimum((q_slot - kv_start) // BLOCK_SIZE, last_block), -1)
     logits = tl.zeros([BLOCK_Q, NB_CHUNK], tl.float32)
     for d0 in range(0, D_PAD, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
@@ -187,7 +203,10 @@ def _row_logits_kernel(
                     + offs_d[:, None] * stride_sd, mask=(blocks[None, :] <= last_block) & (offs_d[:, None] < HEAD_DIM),
                     other=0.0)
         logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-    logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+    logits = logits * scale
+    if ALIBI:
+        logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
+    logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
     tl.store(LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD + blocks[None, :], logits)
 
 
@@ -227,13 +246,15 @@ def select_blocks(
     sink_blocks: int = 1,
     search_steps: int = 16,
     key_length: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockSelection:
     """Triton version of :func:`hf_sparse.kernels.reference.select_blocks` (same arguments and result).
 
     ``query`` ``[B, Hq, Sq, D]`` and ``summaries`` ``[B, Hkv, num_blocks, D]`` take any strides. ``out``
     (int32 ``indices [B, H, T, num_blocks]`` and ``counts [B, H, T]``) is filled in place when given. With one
-    query tile spanning the call (decode) nothing is read back to the host.
+    query tile spanning the call (decode) nothing is read back to the host. ``alibi_slopes`` (``[Hq]``, on the
+    query's device) adds each head's ALiBi bias to its block logits, as the reference does.
     """
     if query.dim() != 4 or summaries.dim() != 4:
         raise ValueError(f"query [B,Hq,Sq,D] and summaries [B,Hkv,nb,D] expected, got {tuple(query.shape)}, "
@@ -259,7 +280,8 @@ def select_blocks(
         return reference.select_blocks(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                        block_size=block_size, top_k=top_k, query_tile=query_tile,
                                        head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps,
-                                       key_length=key_length)
+                                       key_length=key_length, alibi_slopes=alibi_slopes)
+    slopes = alibi_args(alibi_slopes, query)
     key_length = q_offset + num_queries if key_length is None else key_length
     kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
@@ -308,18 +330,19 @@ def select_blocks(
         args = (num_queries, key_length, q_offset, num_blocks, float(scale))
         shape_args = dict(SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads,
                           QUERY_TILE=query_tile, ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size,
-                          HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision)
+                          HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                          ALIBI=alibi_slopes is not None)
         precomputed = num_tiles == 1 and rows <= block_q
         logits = union  # a placeholder pointer: the kernel reads LOGITS only when PRECOMPUTED
         if precomputed:
             nb_chunk = min(nb_pad, 64)
             logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
             _row_logits_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
-                query, summaries, logits, kv_start, *query.stride(), *summaries.stride(), *args,
+                query, summaries, logits, kv_start, slopes, *query.stride(), *summaries.stride(), *args,
                 NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=4, **shape_args,
             )
         _select_blocks_kernel[(batch * sel_heads, tiles)](
-            query, summaries, indices, counts, kv_start, union, logits,
+            query, summaries, indices, counts, kv_start, union, logits, slopes,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
             D_CHUNK=d_chunk, SINK_BLOCKS=sink_blocks, PRECOMPUTED=precomputed, num_warps=warps, **shape_args,
