@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/generate.py
 
-# The suite, then the Triton kernels against their references in Triton's CPU interpreter.
+# The suite, then the Triton kernels against their references in Triton's CPU interpreter, and the model
+# tests whose Triton variants need it.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_features.py -k triton
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests

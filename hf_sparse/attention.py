@@ -178,6 +178,13 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def dequantized_kv(key: torch.Tensor, value: torch.Tensor, cache_layer: Any,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache layer's K/V in ``dtype``: a copy, for the dense fallback (short sequences, few layers)."""
+    return (kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(dtype),
+            kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(dtype))
+
+
 def logn_base_for(config: Any, model_config: Any) -> int | None:
     """The training length ``m`` of logN scaling, or None when the method's config leaves it off."""
     if not getattr(config, "logn_scaling", False):
@@ -224,8 +231,6 @@ def sparse_attention_forward(
     logn_base = logn_base_for(config, module.config)
     cache_layer = getattr(key, LAYER_ATTR, None)
     quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)
-    if quantized and method != "plas":
-        raise NotImplementedError(f"an int8 KV cache (kv_dtype='int8') is supported with 'plas' only, not {method!r}")
 
     reason = None
     if config.is_dense_layer(layer_idx, num_layers):
@@ -240,9 +245,8 @@ def sparse_attention_forward(
             _record(LayerRecord(layer_idx, phase, reason))
         if logn_base is not None:
             query = logn_scaled(query, attention_mask, key_length, logn_base)
-        if quantized:  # the dense path takes the dequantised K/V (a copy: this path is for short or few layers)
-            key = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
-            value = kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(query.dtype)
+        if quantized:
+            key, value = dequantized_kv(key, value, cache_layer, query.dtype)
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     if dropout:
@@ -273,7 +277,8 @@ def sparse_attention_forward(
     # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)
     select = policy.select_decode if phase == "decode" else policy.select_prefill
-    selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start)
+    selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                       key_scale=scales.get("key_scale"))
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                          logn_base=logn_base, **scales)
     if _RECORDERS:

@@ -7,13 +7,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
+from .config import KV_CACHE_DTYPES
 
 #: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
 #: reach the layer (transformers does not pass the cache object to attention functions).
 LAYER_ATTR = "_hf_sparse_layer"
 
-#: Storage dtypes of :class:`SparseCache` K/V: ``"auto"`` (the states' own dtype) or ``"int8"``.
-KV_DTYPES = ("auto", "int8")
 
 
 def _quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +38,8 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto", **kwargs: Any) -> None:
         super().__init__()
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype == "int8"
         self.key_scale_storage: torch.Tensor | None = None
@@ -233,8 +232,8 @@ class SparseCache(Cache):
             block_size = _block_size_from_config(config)
         if kv_dtype is None:
             kv_dtype = _kv_dtype_from_config(config)
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         num_layers = None

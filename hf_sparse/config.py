@@ -90,6 +90,16 @@ def _check_logn(config: Any) -> None:
         raise ValueError("logn_base is set but logn_scaling is False: set logn_scaling=True to scale queries")
 
 
+#: K/V storage dtypes of the SparseCache (``kv_cache_dtype``): ``"auto"`` (the states' own dtype) or ``"int8"``.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def _check_kv_cache_dtype(config: Any) -> None:
+    """Validate the ``kv_cache_dtype`` field shared by the PLAS and XAttention configs."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {config.kv_cache_dtype!r}")
+
+
 @dataclass
 class PLASConfig(_MethodConfig):
     """PLAS sparse attention settings.
@@ -140,8 +150,7 @@ class PLASConfig(_MethodConfig):
         if not 1 <= _as_int("search_steps", self.search_steps) <= 64:
             raise ValueError(f"search_steps must be in [1, 64], got {self.search_steps}")
         _check_logn(self)
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        _check_kv_cache_dtype(self)
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -216,6 +225,9 @@ class XAttnConfig(_MethodConfig):
         logn_scaling: Qwen-style logN scaling: the query at row position ``n`` (1-based) is scaled by
             ``max(1, log(n) / log(m))``, on the sparse and the dense path alike.
         logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
+        kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
+            ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels,
+            the prefill scoring included).
     """
 
     block_size: int = 128
@@ -232,6 +244,7 @@ class XAttnConfig(_MethodConfig):
     prefill_chunk: int | None = 16384
     logn_scaling: bool = False
     logn_base: int | None = None
+    kv_cache_dtype: str = "auto"
     method: str = field(default="xattn", init=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +282,7 @@ class XAttnConfig(_MethodConfig):
                     f"prefill_chunk must be None or a positive multiple of block_size={block_size}, got {prefill_chunk}"
                 )
         _check_logn(self)
+        _check_kv_cache_dtype(self)
 
     def mass_threshold(self, phase: str) -> float:
         """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""

@@ -9,7 +9,8 @@ Star Attention (Acharya, Jia, Ginsburg, 2024, arXiv:2411.17116) splits the input
   with the anchor. Distributed, each rank encodes a contiguous shard of blocks, prefixed with the anchor it
   recomputes itself, and keeps only its shard's KV.
 * Phase 2, query and generated tokens attend to everything. In one process that is causal attention over the
-  whole cache (sdpa). Distributed, each rank computes the partial attention (output and log-sum-exp) of the
+  whole cache (sdpa; on an int8 ``SparseCache`` the sparse kernels with every block selected, which read the
+  int8 K/V). Distributed, each rank computes the partial attention (output and log-sum-exp) of the
   queries over its own KV, the partials are all-gathered and merged by log-sum-exp, so every rank produces the
   same outputs and tokens. Only the last rank keeps the query and generated tokens' KV.
 
@@ -31,10 +32,10 @@ from transformers.cache_utils import Cache
 
 from . import distributed, kernels
 from .attention import (
-    _RECORDERS, SUPPORTED_DTYPES, LayerRecord, _block_counts, _record, _unsupported, dense_attention, method_config,
-    padding_start,
+    _RECORDERS, DECODE_MAX_QUERY, SUPPORTED_DTYPES, LayerRecord, _block_counts, _record, _unsupported,
+    dense_attention, dequantized_kv, method_config, padding_start,
 )
-from .cache import SparseCacheLayer
+from .cache import LAYER_ATTR, SparseCacheLayer
 from .config import StarConfig
 from .methods.star import StarMethod
 
@@ -98,8 +99,9 @@ def star_attention_forward(
     _unsupported(kwargs, key_length)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
-    if key.dtype == torch.int8:
-        raise NotImplementedError("an int8 KV cache (kv_dtype='int8') is supported with 'plas' only, not 'star'")
+    cache_layer = getattr(key, LAYER_ATTR, None) if key.dtype == torch.int8 else None
+    if key.dtype == torch.int8 and cache_layer is None:
+        raise TypeError("int8 keys reach the Star attention only from an int8 SparseCache (it holds their scales)")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
     run = _RUN.get()
@@ -110,6 +112,8 @@ def star_attention_forward(
     if run is not None:
         run.calls += 1
         if run.sharded and run.phase == QUERY_PHASE:
+            if cache_layer is not None:
+                raise NotImplementedError("sharded Star attention keeps its own float KV cache, not an int8 one")
             if dropout:
                 raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
             return _sharded_query_attention(run, query, key, value, scale, layer_idx)
@@ -121,10 +125,14 @@ def star_attention_forward(
         context_queries = max(0, num_queries - config.query_tokens) if key_length == num_queries else 0
         context_length, prefix = context_queries, 0
 
+    def global_attention(queries: torch.Tensor) -> torch.Tensor:
+        return _global_attention(module, config, queries, key, value, attention_mask, cache_layer, dropout, scaling,
+                                 scale, **kwargs)
+
     reason = None
     if context_queries == 0:
         _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return global_attention(query), None
     if config.is_dense_layer(layer_idx, num_layers):
         reason = "dense_layers"
     elif context_length < config.dense_threshold(CONTEXT_PHASE):
@@ -132,7 +140,7 @@ def star_attention_forward(
     if reason is not None:
         logger.debug("layer %d: dense (%s)", layer_idx, reason)
         _record_dense(layer_idx, CONTEXT_PHASE, reason)
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return global_attention(query), None
     if dropout:
         raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
 
@@ -140,8 +148,11 @@ def star_attention_forward(
     kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=True)
     selection = StarMethod(config).context_selection(batch, key.shape[1], context_queries, query.device, prefix)
     context = slice(0, context_queries)
+    scales = {}
+    if cache_layer is not None:
+        scales = {"key_scale": cache_layer.key_scales[:, :, context], "value_scale": cache_layer.value_scales[:, :, context]}
     output, _ = kernels.sparse_attention(query[:, :, context], key[:, :, context], value[:, :, context], selection,
-                                         scale=scale, q_offset=0, kv_start=kv_start)
+                                         scale=scale, q_offset=0, kv_start=kv_start, **scales)
     if _RECORDERS:
         attended, causal = _block_counts(selection, context_queries, 0, kv_start)
         _record(LayerRecord(layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
@@ -151,9 +162,31 @@ def star_attention_forward(
         return output.contiguous(), None
     # Phase 2 for the prompt's query tokens: global causal attention over the whole prompt.
     _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
-    query_output, _ = dense_attention(module, query[:, :, context_queries:], key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    return torch.cat([output, query_output], dim=1), None
+    return torch.cat([output, global_attention(query[:, :, context_queries:])], dim=1), None
+
+
+def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, cache_layer: SparseCacheLayer | None,
+                      dropout: float, scaling: float | None, scale: float, **kwargs: Any) -> torch.Tensor:
+    """Causal attention of ``query`` (the last queries of the keys) over every key, ``[B, Sq, Hq, Dv]``: sdpa.
+
+    On an int8 cache (``cache_layer``), calls of at most ``DECODE_MAX_QUERY`` queries (generation) run the sparse
+    attention kernels with every block selected, which read the int8 K/V with their scales; longer calls run
+    sdpa on a dequantised copy of the layer's K/V (as the other methods' dense fallback does).
+    """
+    num_queries = query.shape[2]
+    if cache_layer is None or num_queries > DECODE_MAX_QUERY or dropout:
+        if cache_layer is not None:
+            key, value = dequantized_kv(key, value, cache_layer, query.dtype)
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               **kwargs)[0]
+    batch, key_length = query.shape[0], key.shape[2]
+    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=False)
+    selection = StarMethod(config).full_selection(batch, key.shape[1], num_queries, key_length, query.device)
+    output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=key_length - num_queries,
+                                         kv_start=kv_start, key_scale=cache_layer.key_scales,
+                                         value_scale=cache_layer.value_scales)
+    return output.transpose(1, 2).contiguous()
 
 
 def _sharded_query_attention(run: _StarRun, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

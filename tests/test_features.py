@@ -1,4 +1,7 @@
-"""Paged-attention feature parity at the model level: logN scaling (and, in test_kernels/test_reference, skip)."""
+"""Paged-attention feature parity at the model level: logN scaling, the int8 KV cache (and, in
+test_kernels/test_reference, skip and ALiBi)."""
+import os
+
 import pytest
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -6,6 +9,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import hf_sparse
+from hf_sparse import star
+from hf_sparse.attention import dequantized_kv
+from hf_sparse.kernels import reference as ref
 
 from conftest import build, full_density, tiny_config
 
@@ -107,23 +113,135 @@ def test_int8_kv_cache_close_to_sdpa_and_smaller():
     assert fp.memory_per_token() == 2 * 2 * 2 * 32 * 4
 
 
-def test_int8_kv_cache_rejected_for_other_methods():
-    config = tiny_config("llama", 4, 2)
+def dequantized_states_cache(config) -> hf_sparse.SparseCache:
+    """A float SparseCache that stores what an int8 cache holds, dequantised: the int8 cache's reference."""
+    cache = hf_sparse.SparseCache(config, kv_dtype="auto")
+
+    def roundtrip(states):
+        return ref.dequantize_per_token(*ref.quantize_per_token(states)).to(states.dtype)
+
+    for layer in cache.layers:
+        update = layer.update
+        layer.update = lambda key, value, *args, _update=update, **kwargs: _update(roundtrip(key), roundtrip(value),
+                                                                                     *args, **kwargs)
+    return cache
+
+
+def backends():
+    """The PyTorch reference always; the Triton kernels in the interpreter (these models run on the CPU):
+    ``TRITON_INTERPRET=1 pytest tests/test_features.py -k int8``."""
+    return ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on CPU models needs TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_int8_kv_cache_xattn_equals_float_cache_of_dequantized_states(backend, monkeypatch):
+    """XAttention on an int8 cache: prefill scoring reads int8 keys with their scales, decode the summaries of
+    dequantised keys. Its selections and logits equal those of a float cache holding the same dequantised
+    states (sparse selection, prefill over two calls, decode, a left-padded row)."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    config = tiny_config("llama", 8, 2, head_dim=32)
     model = build(config, "xattn")
-    hf_sparse.configure(model, hf_sparse.XAttnConfig(block_size=16, stride=4, dense_below=0, dense_layers=()))
-    cache = hf_sparse.SparseCache(model.config, block_size=16, kv_dtype="int8")
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="int8"):
-        model(torch.randint(3, 128, (1, 40)), past_key_values=cache)
+    hf_sparse.configure(model, hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=0.5,
+                                                     dense_below=0, dense_layers=(), kv_cache_dtype="int8"))
+    torch.manual_seed(6)
+    ids = torch.randint(3, 128, (2, 110))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+
+    def run(cache):
+        with torch.no_grad(), hf_sparse.record_sparsity(keep_inputs=True) as rec:
+            steps = [model(ids[:, :60], attention_mask=mask[:, :60], past_key_values=cache).logits,
+                     model(ids[:, 60:100], attention_mask=mask[:, :100], past_key_values=cache).logits]
+            steps += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+                      for t in range(100, 110)]  # teacher-forced decode
+        return torch.cat(steps, 1), rec
+
+    cache = hf_sparse.SparseCache(model.config)  # int8 from the stored configuration
+    logits, rec = run(cache)
+    expected, expected_rec = run(dequantized_states_cache(model.config))
+    assert cache.layers[0].key_storage.dtype == torch.int8
+    assert rec.density("prefill") < 0.95 and rec.density("decode") < 0.95, "selection really was sparse"
+    assert {r.phase for r in rec.records} == {"prefill", "decode"} and not rec.dense_layers()
+    assert len(rec.records) == len(expected_rec.records)
+    for got, want in zip(rec.records, expected_rec.records):
+        assert torch.equal(got.selection.to_mask(got.selection.indices.shape[-1]),
+                           want.selection.to_mask(want.selection.indices.shape[-1]))
+    real = mask.bool()[:, :, None].expand_as(logits)
+    torch.testing.assert_close(logits[real], expected[real], atol=2e-5, rtol=1e-4)
+
+
+def test_int8_kv_cache_xattn_close_to_sdpa_and_generate():
+    """At full density XAttention on the int8 cache is within quantisation error of sdpa (as PLAS, above), and
+    ``generate()`` creates the int8 cache that ``XAttnConfig.kv_cache_dtype`` asks for."""
+    config = tiny_config("llama", 8, 2, head_dim=32)
+    sparse, dense = build(config, "xattn"), build(config, "sdpa")
+    hf_sparse.configure(sparse, hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0,
+                                                      dense_layers=(), kv_cache_dtype="int8"))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 128, (2, 76))
+    with torch.no_grad():
+        cache = hf_sparse.SparseCache(sparse.config)
+        steps = [sparse(ids[:, :70], past_key_values=cache).logits]
+        steps += [sparse(ids[:, t:t + 1], past_key_values=cache).logits for t in range(70, 76)]
+        expected = dense(ids).logits
+        generated = sparse.generate(ids[:, :70], max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert cache.kv_dtype == "int8" and generated.past_key_values.kv_dtype == "int8"
+    error = (torch.cat(steps, 1) - expected).abs().max()
+    assert 0 < float(error) < 0.05 * float(expected.std())
+
+
+def test_kv_cache_dtype_validated_by_plas_and_xattn_unknown_to_star():
+    for config_class in (hf_sparse.PLASConfig, hf_sparse.XAttnConfig):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            config_class(kv_cache_dtype="fp8")
+        assert config_class.from_dict(config_class(kv_cache_dtype="int8").to_dict()).kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        hf_sparse.PLASConfig(kv_cache_dtype="fp8")
+        hf_sparse.StarConfig.from_dict({"kv_cache_dtype": "int8"})
 
 
-def test_int8_kv_cache_rejected_for_star_and_logn_unknown_to_star():
-    model = build(tiny_config("llama", 4, 2), "star")
-    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=16, dense_below=0))
-    cache = hf_sparse.SparseCache(model.config, block_size=16, kv_dtype="int8")
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="int8.*star"):
-        model(torch.randint(3, 128, (1, 40)), past_key_values=cache)
+@pytest.mark.parametrize("backend", backends())
+def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, monkeypatch):
+    """Star on an int8 SparseCache: the context (phase 1) and the prompt's query tokens and generated tokens
+    (phase 2, all blocks selected) read the int8 K/V in the sparse kernels; a dense layer's prompt runs sdpa on
+    a dequantised copy. Logits and tokens equal those of a float cache holding the same dequantised states,
+    and are within quantisation error of the float cache."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    model = build(tiny_config("llama", 8, 2, head_dim=32), "star")
+    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, query_tokens=5, dense_below=0,
+                                                    dense_layers=(1,)))
+    torch.manual_seed(7)
+    ids = torch.randint(3, 128, (2, 110))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+
+    copies = []
+    monkeypatch.setattr(star, "dequantized_kv", lambda *args: copies.append(1) or dequantized_kv(*args))
+
+    def run(new_cache):
+        with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+            cache = new_cache()
+            steps = [model(ids[:, :100], attention_mask=mask[:, :100], past_key_values=cache).logits]
+            steps += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+                      for t in range(100, 110)]  # teacher-forced generation
+            generated = model.generate(ids[:, :100], attention_mask=mask[:, :100], past_key_values=new_cache(),
+                                       max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return torch.cat(steps, 1), generated, rec
+
+    logits, generated, rec = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="int8"))
+    assert len(copies) == 2, "dequantised copies: the dense layer's two prompts only, none while generating"
+    expected, expected_generated, _ = run(lambda: dequantized_states_cache(model.config))
+    unquantized, _, _ = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="auto"))
+    assert rec.density("context") < 0.8, "the context really ran block-sparse"
+    assert set(rec.dense_layers("context").values()) == {"dense_layers"}
+    real = mask.bool()[:, :, None].expand_as(logits)
+    torch.testing.assert_close(logits[real], expected[real], atol=2e-5, rtol=1e-4)
+    assert torch.equal(generated, expected_generated)
+    error = (logits[real] - unquantized[real]).abs().max()  # int8 costs only quantisation error
+    assert 0 < float(error) < 0.05 * float(unquantized.std())
+
+
+def test_logn_unknown_to_star():
     with pytest.raises(ValueError, match="logn_scaling"):
         hf_sparse.StarConfig.from_dict({"logn_scaling": True})
 

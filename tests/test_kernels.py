@@ -208,7 +208,8 @@ def test_sparse_decode(size, shape, num_queries, rows, splits):
 
 
 # -- select_blocks ---------------------------------------------------------------------------------------------
-def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k, dtype, gen, two_level):
+def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k, dtype, gen, two_level,
+                      alibi=None):
     """Queries and summaries whose block scores are far from every bisection point the search visits.
 
     Each query is a one-hot vector on a random channel; channel ``c`` of the summaries holds a logit profile
@@ -216,14 +217,23 @@ def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, to
     a "high" set of size in ``[left, right]`` (``exp(l - max)`` in [0.74, 1]) and otherwise low values
     (<= 0.15), so the search lands at its first step (f = 1/2). With ``two_level`` a top set smaller than
     ``left`` (>= 0.8) plus a middle set ([0.3, 0.45]) land at the second step (f = 1/4).
+
+    With ``alibi = (slopes [Hq], block_size)`` the profiles are those of the biased logits: each query head
+    reads its own share of the channels, whose summaries have the head's ALiBi bias at the block centres
+    subtracted, so q . Kc * scale + bias is the profile plus one constant per query. A query's own block may
+    get less bias than was subtracted (its centre past the query): the profile is set on the first
+    ``top_k[1]`` blocks only, which precede the own block of every query that searches, and the own block
+    stays low. All queries of a (batch, KV head) row read one profile (each head its share's copy), so that
+    the tile and head unions do not hide a missing bias.
     """
     left, right = top_k
     scale = dim ** -0.5
     logits = -2.0 - 3.0 * torch.rand(batch, kv_heads, num_blocks, dim, generator=gen)  # e <= 0.135
+    profiled = right if alibi is not None else right + 1
     for b in range(batch):
         for h in range(kv_heads):
             for c in range(dim):
-                order = torch.randperm(right + 1, generator=gen)
+                order = torch.randperm(profiled, generator=gen)
                 if two_level:
                     top = int(torch.randint(1, left, (1,), generator=gen)) if left > 1 else 0
                     middle = int(torch.randint(left - top, right - top + 1, (1,), generator=gen))
@@ -234,8 +244,19 @@ def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, to
                     high = int(torch.randint(left, right + 1, (1,), generator=gen))
                     logits[b, h, order[:high], c] = -0.3 * torch.rand(high, generator=gen)
                     logits[b, h, order[0], c] = 0.0
+    if alibi is None:
+        channel = torch.randint(0, dim, (batch, q_heads, num_queries), generator=gen)
+    else:
+        slopes, block_size = alibi
+        group = q_heads // kv_heads
+        share = dim // group  # channels of each query head of a GQA group
+        logits = logits[..., :share].repeat(1, 1, 1, group)
+        channel_head = torch.arange(kv_heads)[:, None] * group + torch.arange(dim)[None, :] // share  # [Hkv, D]
+        centre = torch.arange(num_blocks) * block_size + (block_size - 1) / 2  # from the row's first slot
+        logits = logits - slopes.cpu()[channel_head][:, None, :] * centre[:, None]
+        row_channel = torch.randint(0, share, (batch, kv_heads, 1), generator=gen).repeat_interleave(group, 1)
+        channel = (torch.arange(q_heads) % group * share)[None, :, None] + row_channel.expand(-1, -1, num_queries)
     summaries = (logits / scale).to(DEVICE)
-    channel = torch.randint(0, dim, (batch, q_heads, num_queries), generator=gen)
     query = torch.nn.functional.one_hot(channel, dim).to(dtype).to(DEVICE)
     return query, summaries, scale
 
@@ -252,33 +273,54 @@ def run_select(query, summaries, **kwargs):
     return selection
 
 
+def slopes_for(q_heads: int, block: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Per-head slopes whose bias over one block spans 4 * 2^(-8 h / H) (the usual geometric ALiBi series, per
+    block rather than per token: strong enough to change a selection at any block size), or with ``gen``
+    random ones from 0.2 to 1.2 per block, small enough for the separated problems' precision."""
+    if gen is None:
+        return (4.0 * 2.0 ** (-8.0 * torch.arange(1, q_heads + 1) / q_heads) / block).to(DEVICE)
+    return ((0.2 + torch.rand(q_heads, generator=gen)) / block).to(DEVICE)
+
+
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype, two_level", [
     ("prefill", 1, 4, 4, 64, "fp32", False),
     ("prefill", 3, 8, 2, 128, "bf16", True),
     ("prefill_union", 3, 8, 1, 64, "fp16", False),
-    ("decode", 3, 8, 2, 128, "bf16", False),
-    ("decode", 1, 8, 1, 64, "fp32", True),
+    ("decode_3q", 3, 8, 2, 128, "bf16", False),
+    ("decode_1q", 1, 8, 1, 64, "fp32", True),
+    ("decode_1q", 3, 4, 2, 64, "fp16", False),
 ])
-def test_select_blocks_exact_on_separated_scores(size, phase, batch, q_heads, kv_heads, dim, dtype, two_level):
+def test_select_blocks_exact_on_separated_scores(size, alibi, phase, batch, q_heads, kv_heads, dim, dtype, two_level):
+    """Prefill (several tiles, per head or united over GQA groups) and decode (1 or 3 queries, united), left
+    padded: the same selection as the reference, with and without ALiBi slopes."""
     gen = torch.Generator().manual_seed(seed(phase, batch, q_heads, dim, two_level))
     d = dims(size)
     length, block, tile = d["length"], d["block"], d["tile"]
+    if alibi and size == "small":
+        block = 8  # 11 blocks: most queries search, so a missing bias would show
     top_k = (3, 5) if size == "small" else (8, 12)
-    num_queries = length if phase.startswith("prefill") else 3
+    num_queries = length if phase.startswith("prefill") else int(phase[-2])
     q_offset = length - num_queries
     kv_start = left_padding(batch, length, gen).to(DEVICE)
     num_blocks = ref.num_row_blocks(length, kv_start, block)
+    slopes = slopes_for(q_heads, block, gen) if alibi else None
     query, summaries, scale = separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k,
-                                                DTYPES[dtype], gen, two_level)
+                                                DTYPES[dtype], gen, two_level, (slopes, block) if alibi else None)
     kwargs = dict(scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block, top_k=top_k,
                   query_tile=tile if phase.startswith("prefill") else num_queries, head_union=phase != "prefill",
-                  sink_blocks=1 if size == "small" else 2, key_length=length)
+                  sink_blocks=1 if size == "small" else 2, key_length=length, alibi_slopes=slopes)
     expected = ref.select_blocks(query, summaries, **kwargs)
     selection = run_select(query, summaries, **kwargs)
     assert torch.equal(selection.counts, expected.counts)
     assert torch.equal(selection.indices, expected.indices)
     assert (selection.counts > 0).any()
+    if alibi:  # the bias really changed the selection (of single queries: tile unions may hide it)
+        single = {**kwargs, "query_tile": 1, "head_union": False}
+        biased = ref.select_blocks(query, summaries, **single).to_mask(num_blocks)
+        unbiased = ref.select_blocks(query, summaries, **{**single, "alibi_slopes": None}).to_mask(num_blocks)
+        assert not torch.equal(unbiased, biased)
 
 
 @pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])
@@ -302,13 +344,15 @@ def test_decode_select_spans_several_block_chunks(dtype, num_queries):
 
 
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
     ("prefill", 3, 8, 2, 128, "bf16"),
     ("prefill", 1, 8, 1, 64, "fp32"),
     ("decode", 3, 8, 2, 64, "fp16"),
 ])
-def test_select_blocks_random_scores_bounded_mismatch(size, phase, batch, q_heads, kv_heads, dim, dtype):
-    """Random scores: selections may differ only where a score sits within rounding of a bisection point."""
+def test_select_blocks_random_scores_bounded_mismatch(size, alibi, phase, batch, q_heads, kv_heads, dim, dtype):
+    """Random scores (with and without ALiBi slopes): selections may differ only where a score sits within
+    rounding of a bisection point."""
     gen = torch.Generator().manual_seed(seed(phase, batch, q_heads, dim, dtype))
     d = dims(size)
     length, block, tile = d["length"], d["block"], d["tile"]
@@ -320,9 +364,12 @@ def test_select_blocks_random_scores_bounded_mismatch(size, phase, batch, q_head
     summaries = ref.block_summaries(keys, None, kv_start, block) * 4.0  # spread the scores
     kwargs = dict(scale=dim ** -0.5, q_offset=length - num_queries, kv_start=kv_start, block_size=block,
                   top_k=top_k, query_tile=tile if phase == "prefill" else 1, head_union=phase == "decode",
-                  key_length=length)
+                  key_length=length, alibi_slopes=slopes_for(q_heads, block) if alibi else None)
     num_blocks = summaries.shape[2]
     expected = ref.select_blocks(query, summaries, **kwargs).to_mask(num_blocks)
+    if alibi:  # the bias really changed the selection
+        assert not torch.equal(ref.select_blocks(query, summaries, **{**kwargs, "alibi_slopes": None}).to_mask(num_blocks),
+                               expected)
     selection = run_select(query, summaries, **kwargs)
     got = selection.to_mask(num_blocks)
     # format: ascending ids, -1 padding, counts agree with the ids

@@ -33,8 +33,11 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
     (4, 1, 32, 2, 10, torch.bfloat16),
 ])
 @pytest.mark.parametrize("rows, columns", [(64, 128), (16, 16)])  # (16, 16): several programs and key steps
-def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns,
+@pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
+def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns, int8,
                                       monkeypatch):
+    """Also with int8 keys and per-token scales (the int8 SparseCache), against the reference's dequantised
+    scoring."""
     monkeypatch.setattr(xattn_scores, "_ROWS", rows)
     monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
     generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset)
@@ -44,6 +47,12 @@ def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_off
     key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
     kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
                   block_size=16, stride=stride)
+    if int8:
+        key, kwargs["key_scale"] = ref.quantize_per_token(key)
+        dequantized = ref.dequantize_per_token(key, kwargs["key_scale"])
+        torch.testing.assert_close(ref.antidiagonal_block_scores(query, key, **kwargs),
+                                   ref.antidiagonal_block_scores(query.float(), dequantized, **{
+                                       k: v for k, v in kwargs.items() if k != "key_scale"}))
     expected = ref.antidiagonal_block_scores(query, key, **kwargs)
     out = xattn_scores.antidiagonal_block_scores(query, key, **kwargs)
     torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
@@ -54,11 +63,14 @@ def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_off
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scores_match_reference_4k(dtype):
+@pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
+def test_scores_match_reference_4k(dtype, int8):
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(1, 8, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
     key = torch.randn(1, 2, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
     kwargs = dict(scale=128**-0.5, q_offset=0, kv_start=torch.tensor([0], device=DEVICE), block_size=128, stride=8)
+    if int8:
+        key, kwargs["key_scale"] = ref.quantize_per_token(key)
     expected = ref.antidiagonal_block_scores(query, key, **kwargs, key_chunk=1024)
     out = xattn_scores.antidiagonal_block_scores(query, key, **kwargs)
     torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)

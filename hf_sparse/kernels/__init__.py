@@ -69,8 +69,8 @@ def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_
 
 
 def select_blocks(query, summaries, **kwargs):
-    """See :func:`reference.select_blocks`. ALiBi-biased selection (``alibi_slopes``) runs the reference."""
-    if backend_for(query) == "triton" and kwargs.get("alibi_slopes") is None:
+    """See :func:`reference.select_blocks`."""
+    if backend_for(query) == "triton":
         return _TRITON_OPS[1].select_blocks(query, summaries, **kwargs)
     return reference.select_blocks(query, summaries, **kwargs)
 

@@ -31,6 +31,13 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_token_scale(name: str, scale: torch.Tensor, key: torch.Tensor) -> None:
+    """Raise unless ``scale`` is int8 ``key``'s float32 per-token scale ``[B, Hkv, Skv]`` on its device."""
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(key.shape[:3]) or scale.device != key.device:
+        raise ValueError(f"{name} must be float32 [B, Hkv, Skv] = {tuple(key.shape[:3])} on {key.device}, "
+                         f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+
+
 def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            selection: BlockSelection, kv_start: torch.Tensor,
                            key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
@@ -45,10 +52,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         if key.dtype != torch.int8 or value.dtype != torch.int8 or key_scale is None or value_scale is None:
             raise TypeError("key_scale/value_scale go with int8 key and value (both), got "
                             f"{key.dtype}/{value.dtype}")
-        for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
-            if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(key.shape[:3]) or scale.device != key.device:
-                raise ValueError(f"{name} must be float32 [B, Hkv, Skv] = {tuple(key.shape[:3])} on {key.device}, "
-                                 f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+        check_token_scale("key_scale", key_scale, key)
+        check_token_scale("value_scale", value_scale, key)
     elif not query.dtype == key.dtype == value.dtype:
         raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}"
                         + (" (int8 K/V need key_scale and value_scale)" if key.dtype == torch.int8 else ""))

@@ -368,6 +368,7 @@ def antidiagonal_block_scores(
     first_tile: int = 0,
     num_tiles: int | None = None,
     key_chunk: int | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """XAttention's estimate of the attention mass of each (query tile, key block): float32 ``[B, Hq, n, nb]``.
 
@@ -382,8 +383,12 @@ def antidiagonal_block_scores(
 
     Returns tiles ``first_tile .. first_tile + n - 1`` (``n = num_tiles``, default: the rest) against all row
     blocks. ``key_chunk`` (a multiple of ``block_size``) bounds the keys scored at once; when the keys are longer
-    the softmax takes two passes (log-sum-exp over the chunks, then masses).
+    the softmax takes two passes (log-sum-exp over the chunks, then masses). An int8 ``key`` comes with its
+    float32 ``key_scale`` ``[B, Hkv, Skv]`` (:func:`quantize_per_token`): the scores are those of the
+    dequantised keys.
     """
+    if (key.dtype == torch.int8) != (key_scale is not None):
+        raise ValueError("an int8 key needs key_scale (and key_scale only goes with an int8 key)")
     batch, q_heads, num_queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
@@ -414,8 +419,11 @@ def antidiagonal_block_scores(
         offsets = torch.arange(first_block * block_size, last_block * block_size, device=device)
         slots = kv_start[:, None] + offsets[None, :]
         slot_ok = slots < length
-        keys = torch.gather(key, 2, slots.clamp_max(length - 1)[:, None, :, None].expand(-1, kv_heads, -1, dim))
-        keys = (keys.float() * slot_ok[:, None, :, None]).view(batch, kv_heads, -1, stride * dim)
+        gather_slots = slots.clamp_max(length - 1)[:, None, :]
+        keys = torch.gather(key, 2, gather_slots[..., None].expand(-1, kv_heads, -1, dim)).float()
+        if key_scale is not None:  # dequantised per chunk
+            keys = keys * torch.gather(key_scale.float(), 2, gather_slots.expand(-1, kv_heads, -1))[..., None]
+        keys = (keys * slot_ok[:, None, :, None]).view(batch, kv_heads, -1, stride * dim)
         logits = torch.matmul(strided_q, keys.transpose(-1, -2)) * (scale / stride)
         logits = logits.view(batch, q_heads, num_q_groups, -1)
         key_first = offsets[::stride]  # row-relative first slot of each key group

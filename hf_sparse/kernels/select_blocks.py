@@ -2,8 +2,8 @@
 
 Semantics: :func:`hf_sparse.kernels.reference.select_blocks`. One program per (batch, selection row, query
 tile) walks the row's queries (and, with ``head_union``, the query heads of its GQA group) ``BLOCK_Q`` at a
-time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped over the head dim), the
-threshold search per query, the forced diagonal and sink blocks, and an OR into the tile's block mask (a
+time: logits ``q . Kc * scale`` against every summary (tensor cores, K-looped over the head dim; with
+``ALIBI`` plus the bias at each block's centre), the threshold search per query, the forced diagonal and sink blocks, and an OR into the tile's block mask (a
 scratch row of ``NB_PAD`` bytes). Scores stay in registers: nothing of size ``[B, H, Sq, num_blocks]`` is
 written. The mask is compacted in the same program (prefix sum) into the ascending ``BlockSelection`` row,
 -1 padded, and its count. Decode (one tile of few rows) runs ``_decode_select_kernel`` instead: its logits
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..selection import BlockSelection
 from . import reference
-from ._common import ticket_counters
+from ._common import alibi_args, ticket_counters
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ MAX_BLOCKS = 2048
 #: bytes of one summaries chunk of the K loop.
 TUNING = {"logits_per_program": 8192, "logits_per_warp": 1024, "min_block_q": 32, "max_block_q": 64,
           "max_warps": 8, "chunk_bytes": 32768}
+
+
+@triton.jit
+def _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE: tl.constexpr):
+    """``slope[head] * (min(block centre, query slot) - query slot)`` per (query row, block): the ALiBi bias
+    of the reference's selection."""
+    slope = tl.load(SLOPES + head, mask=real, other=0.0)
+    centre = (kv_start + blocks * BLOCK_SIZE).to(tl.float32) + (BLOCK_SIZE - 1) * 0.5
+    slot = q_slot.to(tl.float32)[:, None]
+    return slope[:, None] * (tl.minimum(centre[None, :], slot) - slot)
 
 
 @triton.jit
@@ -94,7 +104,7 @@ def _store_selection(union, blocks, row_ptr, stride_ik, count_ptr, num_blocks, N
 
 @triton.jit
 def _select_blocks_kernel(
-    Q, S, INDICES, COUNTS, KV_START, UNION,
+    Q, S, INDICES, COUNTS, KV_START, UNION, SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     stride_ib, stride_ih, stride_it, stride_ik,
@@ -104,7 +114,7 @@ def _select_blocks_kernel(
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -144,7 +154,10 @@ def _select_blocks_kernel(
             s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
                         mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
             logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-        logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+        logits = logits * scale
+        if ALIBI:  # before the row maximum: the threshold search runs on the biased logits
+            logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
+        logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
         chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
@@ -162,7 +175,7 @@ def _next_power_of_2(n: int) -> int:
 
 @triton.jit
 def _decode_select_kernel(
-    Q, S, LOGITS, KV_START, INDICES, COUNTS, TICKETS,
+    Q, S, LOGITS, KV_START, INDICES, COUNTS, TICKETS, SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     stride_ib, stride_ih, stride_ik,
@@ -171,7 +184,7 @@ def _decode_select_kernel(
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-    SINK_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SINK_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Selection of a call with one query tile of few rows (decode), in one launch.
 
@@ -192,7 +205,8 @@ def _decode_select_kernel(
     head = first_q_head + rows // QUERY_TILE
     query = pad_q + rows % QUERY_TILE
     real = (rows < ROWS) & (query < num_queries)
-    own_block = (q_offset + query - kv_start) // BLOCK_SIZE
+    q_slot = q_offset + query
+    own_block = (q_slot - kv_start) // BLOCK_SIZE
     row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
     logits = tl.zeros([BLOCK_Q, NB_CHUNK], tl.float32)
     for d0 in range(0, D_PAD, D_CHUNK):
@@ -203,7 +217,10 @@ def _decode_select_kernel(
                     + offs_d[:, None] * stride_sd, mask=(blocks[None, :] <= last_block) & (offs_d[:, None] < HEAD_DIM),
                     other=0.0)
         logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-    logits = tl.where(blocks[None, :] <= row_last[:, None], logits * scale, float("-inf"))
+    logits = logits * scale
+    if ALIBI:
+        logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
+    logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
     row_logits = LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD
     tl.store(row_logits + blocks[None, :], logits)
 
@@ -255,13 +272,15 @@ def select_blocks(
     sink_blocks: int = 1,
     search_steps: int = 16,
     key_length: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockSelection:
     """Triton version of :func:`hf_sparse.kernels.reference.select_blocks` (same arguments and result).
 
     ``query`` ``[B, Hq, Sq, D]`` and ``summaries`` ``[B, Hkv, num_blocks, D]`` take any strides. ``out``
     (int32 ``indices [B, H, T, num_blocks]`` and ``counts [B, H, T]``) is filled in place when given. With one
-    query tile spanning the call (decode) nothing is read back to the host.
+    query tile spanning the call (decode) nothing is read back to the host. ``alibi_slopes`` (``[Hq]``, on the
+    query's device) adds each head's ALiBi bias to its block logits, as the reference does.
     """
     if query.dim() != 4 or summaries.dim() != 4:
         raise ValueError(f"query [B,Hq,Sq,D] and summaries [B,Hkv,nb,D] expected, got {tuple(query.shape)}, "
@@ -287,7 +306,8 @@ def select_blocks(
         return reference.select_blocks(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                        block_size=block_size, top_k=top_k, query_tile=query_tile,
                                        head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps,
-                                       key_length=key_length)
+                                       key_length=key_length, alibi_slopes=alibi_slopes)
+    slopes = alibi_args(alibi_slopes, query)
     key_length = q_offset + num_queries if key_length is None else key_length
     kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
@@ -336,12 +356,12 @@ def select_blocks(
         shape_args = dict(SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads,
                           QUERY_TILE=query_tile, ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size,
                           HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                          SINK_BLOCKS=sink_blocks)
+                          SINK_BLOCKS=sink_blocks, ALIBI=alibi_slopes is not None)
         if num_tiles == 1 and rows <= block_q:  # decode
             nb_chunk = min(nb_pad, 64)
             logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
             _decode_select_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
-                query, summaries, logits, kv_start, indices, counts, ticket_counters(batch * sel_heads, query.device),
+                query, summaries, logits, kv_start, indices, counts, ticket_counters(batch * sel_heads, query.device), slopes,
                 *query.stride(), *summaries.stride(), indices.stride(0), indices.stride(1), indices.stride(3),
                 counts.stride(0), counts.stride(1), *args, left, right, search_steps, nb_pad // nb_chunk,
                 NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=warps, **shape_args,
@@ -349,7 +369,7 @@ def select_blocks(
             continue
         union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=query.device)
         _select_blocks_kernel[(batch * sel_heads, tiles)](
-            query, summaries, indices, counts, kv_start, union,
+            query, summaries, indices, counts, kv_start, union, slopes,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
             D_CHUNK=d_chunk, num_warps=warps, **shape_args,

@@ -5,7 +5,8 @@ The strided reshape is done by the loads: the score of query group ``g`` and key
 ``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed query group against element ``m`` of the key
 group), so no reshaped copy and no score matrix is written. Two passes over the causal key groups: online
 max / sum-exp per query group, then the normalised probabilities summed per (tile, key block). Memory is the
-``[B, Hq, n, nb]`` output only, so the launcher ignores ``key_chunk``.
+``[B, Hq, n, nb]`` output only, so the launcher ignores ``key_chunk``. int8 keys (the int8 SparseCache) are
+dequantised in registers by their per-token scales.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import dot_settings
+from ._common import check_token_scale, dot_settings, scale_args
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
 _ROWS = 64
@@ -22,13 +23,14 @@ _COLUMNS = 128  # 4.5 ms vs 6.0 ms (64) at 32K, bf16, H100
 
 
 @triton.jit
-def _strided_scores(Q, K, q_base, k_base, stride_qs, stride_qd, stride_ks, stride_kd, group_first, row_real,
-                    num_queries, kv_start, key_length, key_group, offs_d, d_ok, scale,
+def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
+                    group_first, row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok, scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """Scaled antidiagonal scores ``[BLOCK_M, BLOCK_N]`` of the program's query groups against key groups
     ``key_group``: ``STRIDE`` GEMMs of head_dim depth, element ``m`` of a query group (read reversed) against
-    element ``m`` of a key group."""
+    element ``m`` of a key group. With ``QUANT`` the keys are int8 with a float32 scale per slot (``KS``),
+    dequantised in registers: the ``STRIDE`` keys summed into one score have different scales."""
     scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for m in range(STRIDE):  # a loop, not unrolled: one q / k tile in flight (pipelined), not STRIDE of them
         query_ids = group_first + STRIDE - 1 - m
@@ -37,23 +39,27 @@ def _strided_scores(Q, K, q_base, k_base, stride_qs, stride_qd, stride_ks, strid
         slots = kv_start + key_group * STRIDE + m
         k = tl.load(K + k_base + slots[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=(slots < key_length)[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            k_scale = tl.load(KS + ks_base + slots * stride_kss, mask=slots < key_length, other=0.0)
+            k = k.to(tl.float32) * k_scale[:, None]
         if DOT_FP32:
             scores += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
-            scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            scores += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     return scores * scale
 
 
 @triton.jit
 def _antidiagonal_scores_kernel(
-    Q, K, OUT, KV_START,
+    Q, K, KS, OUT, KV_START,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_ksb, stride_ksh, stride_kss,
     stride_ob, stride_oh, stride_ot, stride_on,
     num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
     BLOCK_M: tl.constexpr = TILES * GROUPS
@@ -75,6 +81,7 @@ def _antidiagonal_scores_kernel(
     d_ok = offs_d < HEAD_DIM
     q_base = b * stride_qb + h * stride_qh
     k_base = b * stride_kb + (h // GROUP) * stride_kh
+    ks_base = b * stride_ksb + (h // GROUP) * stride_ksh
     # Key groups up to the last one any real row sees.
     last_slot = tl.max(tl.where(row_real, group_last, -1), 0)
     num_iters = tl.where(last_slot >= 0, last_slot // (STRIDE * BLOCK_N) + 1, 0)
@@ -83,9 +90,9 @@ def _antidiagonal_scores_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for it in range(0, num_iters):
         key_group = it * BLOCK_N + offs_col
-        scores = _strided_scores(Q, K, q_base, k_base, stride_qs, stride_qd, stride_ks, stride_kd, group_first,
-                                 row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok, scale,
-                                 BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION)
+        scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
+                                 stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
+                                 offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
         visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
                    & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -102,9 +109,9 @@ def _antidiagonal_scores_kernel(
     out_base = OUT + b * stride_ob + h * stride_oh + offs_tile * stride_ot
     for it in range(0, num_iters):
         key_group = it * BLOCK_N + offs_col
-        scores = _strided_scores(Q, K, q_base, k_base, stride_qs, stride_qd, stride_ks, stride_kd, group_first,
-                                 row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok, scale,
-                                 BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION)
+        scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
+                                 stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
+                                 offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
         visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
                    & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
         probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0) * inv_sum[:, None]
@@ -128,14 +135,21 @@ def antidiagonal_block_scores(
     first_tile: int = 0,
     num_tiles: int | None = None,
     key_chunk: int | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`hf_sparse.kernels.reference.antidiagonal_block_scores` (float32 output)."""
+    """Triton version of :func:`hf_sparse.kernels.reference.antidiagonal_block_scores` (float32 output); an
+    int8 ``key`` with its float32 ``key_scale`` ``[B, Hkv, Skv]`` is dequantised in registers."""
     from .reference import num_query_tiles, num_row_blocks
 
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or query.shape[1] % key.shape[1]:
         raise ValueError(f"need BNSD query [B,Hq,Sq,D] and key [B,Hkv,Skv,D]; got {tuple(query.shape)}, {tuple(key.shape)}")
-    if query.shape[-1] != key.shape[-1] or query.dtype != key.dtype or query.device != key.device:
-        raise ValueError("query and key must share head dim, dtype and device")
+    quantized = key.dtype == torch.int8
+    if query.shape[-1] != key.shape[-1] or query.device != key.device or (query.dtype != key.dtype and not quantized):
+        raise ValueError("query and key must share head dim, dtype (or key int8 with key_scale) and device")
+    if quantized != (key_scale is not None):
+        raise ValueError("an int8 key needs key_scale (and key_scale only goes with an int8 key)")
+    if quantized:
+        check_token_scale("key_scale", key_scale, key)
     if block_size % stride or stride & (stride - 1):
         raise ValueError(f"stride {stride} must be a power of two dividing block_size {block_size}")
     batch, q_heads, num_queries, dim = query.shape
@@ -149,6 +163,7 @@ def antidiagonal_block_scores(
         return out
     groups = block_size // stride
     dot_fp32, precision = dot_settings(query.dtype)
+    key_scale, _ = scale_args(key_scale, None, key)
     # About 64 query groups x 128 key groups per step (at least 16 each, as tl.dot needs); halved on
     # OutOfResources (float32 operands at head dim 128 need twice the shared memory of bfloat16 ones).
     rows, columns = _ROWS, _COLUMNS
@@ -157,12 +172,12 @@ def antidiagonal_block_scores(
         key_blocks = max(1, columns // groups)
         try:
             _antidiagonal_scores_kernel[(triton.cdiv(num_tiles, tiles), batch * q_heads)](
-                query, key, out, kv_start,
-                *query.stride(), *key.stride(), *out.stride(),
+                query, key, key_scale, out, kv_start,
+                *query.stride(), *key.stride(), *key_scale.stride(), *out.stride(),
                 num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale / stride,
                 Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                 TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-                DOT_FP32=dot_fp32, PRECISION=precision,
+                DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized,
             )
             break
         except OutOfResources:

@@ -14,7 +14,8 @@ class PLASMethod:
 
     The method protocol (shared by every file in ``methods/``): ``config`` with ``block_size``,
     ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
-    the query, the block summaries and the keys, returning a :class:`BlockSelection`.
+    the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
+    int8), returning a :class:`BlockSelection`.
     """
 
     name = "plas"
@@ -24,7 +25,7 @@ class PLASMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
@@ -35,7 +36,7 @@ class PLASMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,

@@ -15,8 +15,9 @@ class XAttnMethod:
 
     Prefill estimates the mass with antidiagonal strided scores (:func:`reference.antidiagonal_block_scores`)
     per query head, in chunks of ``prefill_chunk`` queries, then reduces the heads of each GQA group by
-    ``gqa_reduce``. Decode scores the block summaries kept in the SparseCache (as PLAS does) and unites the
-    heads of each GQA group. Both return one selection row per KV head.
+    ``gqa_reduce``; int8 keys (an int8 SparseCache) are scored dequantised by ``key_scale``. Decode scores the
+    block summaries kept in the SparseCache (as PLAS does) and unites the heads of each GQA group. Both return
+    one selection row per KV head.
     """
 
     name = "xattn"
@@ -26,7 +27,7 @@ class XAttnMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         config = self.config
         block_size = config.block_size
@@ -42,6 +43,7 @@ class XAttnMethod:
             mass = kernels.antidiagonal_block_scores(
                 query, key, scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block_size,
                 stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
+                key_scale=key_scale,
             )
             available, forced = self._tile_blocks(num_queries, q_offset, kv_start, first_tile, count, num_blocks)
             chosen = kernels.cumulative_threshold_select(
@@ -52,7 +54,7 @@ class XAttnMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         config = self.config
         batch, q_heads, num_queries, _ = query.shape
