@@ -32,14 +32,20 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
     (6, 2, 64, 8, 0, torch.float16),
     (4, 1, 32, 2, 10, torch.bfloat16),
 ])
-@pytest.mark.parametrize("rows, columns", [(64, 128), (16, 16)])  # (16, 16): several programs and key steps
+@pytest.mark.parametrize("rows, columns, scratch", [
+    (64, 128, None),
+    (16, 16, None),  # several programs and key steps
+    (16, 16, 1),  # scratch for one program per launch: the tiles in several launches
+])
 @pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
-def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns, int8,
-                                      monkeypatch):
+def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns, scratch,
+                                      int8, monkeypatch):
     """Also with int8 keys and per-token scales (the int8 SparseCache), against the reference's dequantised
     scoring."""
     monkeypatch.setattr(xattn_scores, "_ROWS", rows)
     monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    if scratch is not None:
+        monkeypatch.setattr(xattn_scores, "SCRATCH_BYTES", scratch)
     generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset)
     length = 83  # not a multiple of the block size or the stride
     query = torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator).to(DEVICE, dtype)

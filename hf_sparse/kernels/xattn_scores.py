@@ -3,10 +3,12 @@
 Semantics: ``reference.antidiagonal_block_scores``. One program per (a few query tiles, batch x query head).
 The strided reshape is done by the loads: the score of query group ``g`` and key group ``r`` is accumulated as
 ``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed query group against element ``m`` of the key
-group), so no reshaped copy and no score matrix is written. Two passes over the causal key groups: online
-max / sum-exp per query group, then the normalised probabilities summed per (tile, key block). Memory is the
-``[B, Hq, n, nb]`` output only, so the launcher ignores ``key_chunk``. int8 keys (the int8 SparseCache) are
-dequantised in registers by their per-token scales.
+group), so no reshaped copy and no score matrix is written. One pass over the causal key groups computes each
+score once: the online max / sum-exp per query group, and each step's probabilities (relative to the running
+max) summed per (query group, key block) into a scratch buffer with that step's max. The program then reads its
+scratch back (from L2, it is small) and writes each (tile, key block) mass with the final normaliser. The
+launcher bounds the scratch (``SCRATCH_BYTES``) by launching the tiles in groups, and ignores ``key_chunk``.
+int8 keys (the int8 SparseCache) are dequantised in registers by their per-token scales.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from ._common import check_token_scale, dot_settings, scale_args
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
 _ROWS = 64
 _COLUMNS = 128  # 4.5 ms vs 6.0 ms (64) at 32K, bf16, H100
+#: Most bytes of per-step partial masses one launch keeps (tiles are launched in groups to stay under it).
+SCRATCH_BYTES = 512 * 1024 * 1024
 
 
 @triton.jit
@@ -51,12 +55,12 @@ def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, str
 
 @triton.jit
 def _antidiagonal_scores_kernel(
-    Q, K, KS, OUT, KV_START,
+    Q, K, KS, OUT, KV_START, PART,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_ksb, stride_ksh, stride_kss,
     stride_ob, stride_oh, stride_ot, stride_on,
-    num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale,
+    num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale, max_iters,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -86,6 +90,9 @@ def _antidiagonal_scores_kernel(
     last_slot = tl.max(tl.where(row_real, group_last, -1), 0)
     num_iters = tl.where(last_slot >= 0, last_slot // (STRIDE * BLOCK_N) + 1, 0)
 
+    # The program's scratch: per step, KEY_BLOCKS partial masses and the running max of each query group.
+    part_base = PART + ((tl.program_id(0) * tl.num_programs(1) + batch_head).to(tl.int64) * max_iters) \
+        * ((KEY_BLOCKS + 1) * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for it in range(0, num_iters):
@@ -98,26 +105,27 @@ def _antidiagonal_scores_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(tl.exp(scores - safe_max[:, None]), 1)
+        probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0)
+        row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(probs, 1)
         row_max = new_max
-    safe_max = tl.where(row_real, row_max, 0.0)
+        step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
+        for kb in tl.static_range(KEY_BLOCKS):
+            tl.store(step + kb * BLOCK_M + offs_row, tl.sum(tl.where((offs_col // GROUPS == kb)[None, :], probs, 0.0), 1))
+        tl.store(step + KEY_BLOCKS * BLOCK_M + offs_row, new_max)
     inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
+    tl.debug_barrier()  # the scratch is read back by other threads of the program than wrote it
 
     offs_local = tl.arange(0, TILES)
     offs_tile = tile_start + offs_local
     row_tile = offs_row // GROUPS
     out_base = OUT + b * stride_ob + h * stride_oh + offs_tile * stride_ot
     for it in range(0, num_iters):
-        key_group = it * BLOCK_N + offs_col
-        scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
-                                 stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
-                                 offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
-        visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
-                   & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
-        probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0) * inv_sum[:, None]
-        # Sum each (tile, key block) square: key block by key block (masked column sums), then rows per tile.
+        step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
+        step_max = tl.load(step + KEY_BLOCKS * BLOCK_M + offs_row)
+        # exp(step max - final max) <= 1; a group that had seen nothing by this step has only zero masses
+        weight = tl.where(step_max == float("-inf"), 0.0, tl.exp(step_max - tl.where(row_real, row_max, 0.0))) * inv_sum
         for kb in tl.static_range(KEY_BLOCKS):
-            row_mass = tl.sum(tl.where((offs_col // GROUPS == kb)[None, :], probs, 0.0), 1)  # [BLOCK_M]
+            row_mass = tl.load(step + kb * BLOCK_M + offs_row) * weight
             masses = tl.sum(tl.where(row_tile[None, :] == offs_local[:, None], row_mass[None, :], 0.0), 1)
             block = it * KEY_BLOCKS + kb + offs_local * 0  # broadcast to [TILES]
             tl.store(out_base + block * stride_on, masses, mask=(offs_tile < num_tiles) & (block < num_blocks))
@@ -170,15 +178,26 @@ def antidiagonal_block_scores(
     while True:
         tiles = max(1, rows // groups)
         key_blocks = max(1, columns // groups)
+        block_m, block_n = tiles * groups, key_blocks * groups
+        max_iters = triton.cdiv(triton.cdiv(key_length, stride), block_n)
+        per_program = max_iters * (key_blocks + 1) * block_m * 4
+        programs_per_launch = max(1, SCRATCH_BYTES // (per_program * batch * q_heads))
+        tiles_per_launch = programs_per_launch * tiles
+        part = torch.empty(min(triton.cdiv(num_tiles, tiles), programs_per_launch) * batch * q_heads * per_program // 4,
+                           dtype=torch.float32, device=query.device)
         try:
-            _antidiagonal_scores_kernel[(triton.cdiv(num_tiles, tiles), batch * q_heads)](
-                query, key, key_scale, out, kv_start,
-                *query.stride(), *key.stride(), *key_scale.stride(), *out.stride(),
-                num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale / stride,
-                Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
-                TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-                DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized,
-            )
+            for start in range(0, num_tiles, tiles_per_launch):
+                count = min(tiles_per_launch, num_tiles - start)
+                target = out[:, :, start:start + count]
+                _antidiagonal_scores_kernel[(triton.cdiv(count, tiles), batch * q_heads)](
+                    query, key, key_scale, target, kv_start, part,
+                    *query.stride(), *key.stride(), *key_scale.stride(), *target.stride(),
+                    num_queries, key_length, q_offset, first_tile + start, count, num_blocks, scale / stride,
+                    max_iters,
+                    Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
+                    TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
+                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized,
+                )
             break
         except OutOfResources:
             if key_blocks * groups > 16:
