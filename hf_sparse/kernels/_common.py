@@ -78,7 +78,7 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 _SM_COUNTS: dict[int, int] = {}
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def sm_count(device: torch.device) -> int:
@@ -90,12 +90,14 @@ def sm_count(device: torch.device) -> int:
 
 
 def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least ``count`` zeroed int32 counters on ``device``, shared by launches of one stream: a kernel that
-    takes tickets (the last of a group of programs to arrive does the group's final step) resets its own."""
-    tickets = _TICKETS.get(device)
+    """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream (launches of one
+    stream run one after another, so they can share them): a kernel that takes tickets (the last of a group
+    of programs to arrive does the group's final step) leaves its own at zero again."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    tickets = _TICKETS.get((device, stream))
     if tickets is None or tickets.numel() < count:
         tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
+        _TICKETS[(device, stream)] = tickets
     return tickets
 
 
