@@ -1,11 +1,11 @@
-"""int8 KV cache fidelity: next-token KL and top-1 of PLAS with an int8 SparseCache against the same PLAS with
-a float KV cache (and both against dense sdpa), on the embedded SmolLM2-135M-Instruct.
+"""int8 KV cache fidelity: next-token KL and top-1 of PLAS (or XAttention) with an int8 SparseCache against the
+same method with a float KV cache (and both against dense sdpa), on the embedded SmolLM2-135M-Instruct.
 
 The prompt's first ``--tokens - --decode`` tokens are prefilled through the cache, the remaining ``--decode``
 tokens are fed one at a time (teacher-forced decode); scored positions: the last ``--positions`` of the
 prefill and every decode step. Prints one table.
 
-    python benchmarks/int8_kv_fidelity.py --tokens 2048 --decode 32
+    python benchmarks/int8_kv_fidelity.py --tokens 2048 --decode 32 [--method xattn]
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--positions", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--method", default="plas", choices=["plas", "xattn"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype)
@@ -66,18 +67,25 @@ def main() -> None:
     results = {}
     started = time.perf_counter()
     results["dense"] = run(model, ids, None, prefill, args.positions)
-    config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(5, 7), decode_top_k=(5, 7), query_union=64)
+    if args.method == "plas":
+        config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(5, 7), decode_top_k=(5, 7), query_union=64)
+        settings = "PLAS block 64, top-k (5, 7)"
+    else:
+        config = hf_sparse.XAttnConfig(block_size=64, stride=8, threshold=0.9)
+        settings = "XAttention block 64, stride 8, threshold 0.9, decode threshold 0.99"
     hf_sparse.configure(model, config)
-    results["plas, float KV"] = run(model, ids, "auto", prefill, args.positions)
-    results["plas, int8 KV"] = run(model, ids, "int8", prefill, args.positions)
+    name = args.method
+    results[f"{name}, float KV"] = run(model, ids, "auto", prefill, args.positions)
+    results[f"{name}, int8 KV"] = run(model, ids, "int8", prefill, args.positions)
     print(f"SmolLM2-135M-Instruct {args.dtype}, {ids.shape[1]} tokens: prefill {prefill} (last {args.positions} "
-          f"scored) + {args.decode} teacher-forced decode steps; PLAS block 64, top-k (5, 7); "
+          f"scored) + {args.decode} teacher-forced decode steps; {settings}; "
           f"{time.perf_counter() - started:.0f} s")
-    print(f"{'run':<16} {'vs':<16} {'prefill KL':>11} {'top-1':>7} {'decode KL':>10} {'top-1':>7} {'KV B/token':>11}")
-    for name, against in (("plas, float KV", "dense"), ("plas, int8 KV", "dense"), ("plas, int8 KV", "plas, float KV")):
+    print(f"{'run':<17} {'vs':<17} {'prefill KL':>11} {'top-1':>7} {'decode KL':>10} {'top-1':>7} {'KV B/token':>11}")
+    for name, against in ((f"{name}, float KV", "dense"), (f"{name}, int8 KV", "dense"),
+                          (f"{name}, int8 KV", f"{name}, float KV")):
         pre_kl, pre_top = compare(results[against][0], results[name][0])
         dec_kl, dec_top = compare(results[against][1], results[name][1])
-        print(f"{name:<16} {against:<16} {pre_kl:>11.5f} {pre_top:>7.4f} {dec_kl:>10.5f} {dec_top:>7.4f} "
+        print(f"{name:<17} {against:<17} {pre_kl:>11.5f} {pre_top:>7.4f} {dec_kl:>10.5f} {dec_top:>7.4f} "
               f"{results[name][2]:>11.0f}")
 
 
