@@ -205,6 +205,13 @@ def logn_scaled(query: torch.Tensor, attention_mask: torch.Tensor | None, key_le
     return (query.float() * factor[:, None, :, None]).to(query.dtype)
 
 
+def _falls_back_by_density(query: torch.Tensor) -> bool:
+    """Whether a dense selection is run dense: on CUDA with the Triton kernels, where dense attention (cuDNN or
+    flash) is faster than the sparse kernel at high density. Elsewhere the sparse path always runs, so the
+    reference and interpreter paths stay what the tests compare."""
+    return query.is_cuda and kernels.backend_for(query) == "triton"
+
+
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -239,15 +246,17 @@ def sparse_attention_forward(
         reason = f"length {key_length} < dense_below {config.dense_threshold(phase)}"
     elif not getattr(module, "is_causal", True):
         raise NotImplementedError("hf_sparse attention supports causal (decoder) attention only")
-    if reason is not None:
+    def run_dense(reason: str) -> tuple[torch.Tensor, None]:
         logger.debug("layer %d %s: dense (%s)", layer_idx, phase, reason)
         if _RECORDERS:
             _record(LayerRecord(layer_idx, phase, reason))
-        if logn_base is not None:
-            query = logn_scaled(query, attention_mask, key_length, logn_base)
-        if quantized:
-            key, value = dequantized_kv(key, value, cache_layer, query.dtype)
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        dense_query = query if logn_base is None else logn_scaled(query, attention_mask, key_length, logn_base)
+        dense_key, dense_value = dequantized_kv(key, value, cache_layer, query.dtype) if quantized else (key, value)
+        return dense_attention(module, dense_query, dense_key, dense_value, attention_mask, dropout=dropout,
+                               scaling=scaling, **kwargs)
+
+    if reason is not None:
+        return run_dense(reason)
 
     if dropout:
         raise NotImplementedError("hf_sparse sparse attention does not support attention dropout (use model.eval())")
@@ -279,6 +288,11 @@ def sparse_attention_forward(
     select = policy.select_decode if phase == "decode" else policy.select_prefill
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start,
                        key_scale=scales.get("key_scale"))
+    if phase == "prefill" and config.dense_above_density is not None and _falls_back_by_density(query):
+        attended, causal = torch.stack(_block_counts(selection, num_queries, q_offset, kv_start)).tolist()
+        density = attended / max(causal, 1)
+        if density >= config.dense_above_density:
+            return run_dense(f"density {density:.3f} >= dense_above_density {config.dense_above_density}")
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                          logn_base=logn_base, **scales)
     if _RECORDERS:

@@ -94,6 +94,16 @@ def _check_logn(config: Any) -> None:
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
+def _check_dense_above_density(config: Any) -> None:
+    """Validate the ``dense_above_density`` field shared by the PLAS and XAttention configs."""
+    value = config.dense_above_density
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"dense_above_density must be a number in (0, 1] or None, got {value!r}")
+    config.dense_above_density = float(value)
+
+
 def _check_kv_cache_dtype(config: Any) -> None:
     """Validate the ``kv_cache_dtype`` field shared by the PLAS and XAttention configs."""
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -120,6 +130,9 @@ class PLASConfig(_MethodConfig):
         logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
         kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
             ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels).
+        dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
+            causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
+            Costs one device-to-host read per sparse prefill call; decode never falls back.
     """
 
     block_size: int = 128
@@ -133,6 +146,7 @@ class PLASConfig(_MethodConfig):
     logn_scaling: bool = False
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
+    dense_above_density: float | None = 0.75
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +165,7 @@ class PLASConfig(_MethodConfig):
             raise ValueError(f"search_steps must be in [1, 64], got {self.search_steps}")
         _check_logn(self)
         _check_kv_cache_dtype(self)
+        _check_dense_above_density(self)
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -228,6 +243,9 @@ class XAttnConfig(_MethodConfig):
         kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
             ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels,
             the prefill scoring included).
+        dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
+            causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
+            Costs one device-to-host read per sparse prefill call; decode never falls back.
     """
 
     block_size: int = 128
@@ -245,6 +263,7 @@ class XAttnConfig(_MethodConfig):
     logn_scaling: bool = False
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
+    dense_above_density: float | None = 0.75
     method: str = field(default="xattn", init=False)
 
     def __post_init__(self) -> None:
@@ -283,6 +302,7 @@ class XAttnConfig(_MethodConfig):
                 )
         _check_logn(self)
         _check_kv_cache_dtype(self)
+        _check_dense_above_density(self)
 
     def mass_threshold(self, phase: str) -> float:
         """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""

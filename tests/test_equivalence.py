@@ -189,3 +189,42 @@ def test_dense_layers_are_reported_and_logged(caplog):
     assert all("dense_below" in reason for layer, reason in rec.dense_layers("decode").items() if layer)
     assert "layer 0 prefill: dense (dense_layers)" in caplog.text
     assert rec.density("prefill") < 1.0
+
+
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
+    """Where the density fallback applies (CUDA with the Triton kernels; forced here), a prefill whose selection
+    keeps at least ``dense_above_density`` of the causal blocks runs exactly what sdpa runs; a sparse one, or the
+    fallback switched off, stays sparse. Decode never falls back."""
+    import dataclasses
+
+    import hf_sparse.attention as attention
+
+    monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
+    config = tiny_config("llama", 4, 2)
+    sparse, dense = build(config, method), build(config, "sdpa")
+    if method == "plas":
+        dense_config = full_density(block_size=16)
+        sparse_config = dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1), query_union=16)
+    else:
+        dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
+        sparse_config = dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = dense(ids).logits
+        hf_sparse.configure(sparse, dense_config)
+        with hf_sparse.record_sparsity() as rec:
+            out = sparse(ids).logits
+            generated = sparse.generate(ids, max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, expected)
+        reasons = rec.dense_layers("prefill")
+        assert set(reasons) == {0, 1} and all(r.startswith("density 1.000 >= dense_above_density 0.75")
+                                              for r in reasons.values())
+        assert not rec.dense_layers("decode") and generated.shape[1] == ids.shape[1] + 3
+        for config_ in (dataclasses.replace(dense_config, dense_above_density=None), sparse_config):
+            hf_sparse.configure(sparse, config_)
+            with hf_sparse.record_sparsity() as rec:
+                sparse(ids)
+            assert not rec.dense_layers(), config_
+    with pytest.raises(ValueError, match="dense_above_density"):
+        dataclasses.replace(dense_config, dense_above_density=1.5)
