@@ -81,7 +81,7 @@ class _MethodConfig:
 
 
 def _check_logn(config: Any) -> None:
-    """Validate the logN scaling fields shared by the PLAS and XAttention configs."""
+    """Validate the logN scaling fields shared by the method configs."""
     if not isinstance(config.logn_scaling, bool):
         raise ValueError(f"logn_scaling must be True or False, got {config.logn_scaling!r}")
     if config.logn_base is not None and _as_int("logn_base", config.logn_base) < 2:
@@ -335,6 +335,10 @@ class StarConfig(_MethodConfig):
             end (-1 = last).
         dense_below: contexts shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``block_size``: a context of one block is exactly dense anyway.
+        logn_scaling: Qwen-style logN scaling: the query at true position ``n`` (1-based, from the model's
+            ``position_ids``, so context shards on other ranks scale by their global positions) is scaled by
+            ``max(1, log(n) / log(m))`` in both phases.
+        logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
     """
 
     block_size: int = 4096
@@ -342,6 +346,8 @@ class StarConfig(_MethodConfig):
     query_tokens: int = 1
     dense_layers: tuple[int, ...] = ()
     dense_below: int | None = None
+    logn_scaling: bool = False
+    logn_base: int | None = None
     method: str = field(default="star", init=False)
 
     def __post_init__(self) -> None:
@@ -359,6 +365,7 @@ class StarConfig(_MethodConfig):
             raise ValueError(f"query_tokens must be >= 0, got {self.query_tokens}")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
+        _check_logn(self)
 
     @property
     def kernel_block_size(self) -> int:

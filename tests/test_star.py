@@ -142,6 +142,55 @@ def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size):
         assert (dense(ids, attention_mask=mask).logits[real] - got[real]).abs().max() > 1e-3
 
 
+def test_logn_scaling_scales_each_query_by_its_true_position():
+    """logN on the Star path equals the explicit-mask reference on queries scaled by their row positions, and
+    star.generate (positions passed per phase) equals a plain generate() with it."""
+    import dataclasses
+
+    from hf_sparse.kernels import reference as ref
+
+    config = tiny_config("llama", 8, 2)
+    star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=7, dense_below=0, logn_scaling=True,
+                             logn_base=16)
+    model = star_model(config, star_config)
+    unscaled = dataclasses.replace(star_config, logn_scaling=False, logn_base=None)
+    masked = _reference_attention(unscaled)
+
+    def scaled_reference(module, query, key, value, attention_mask, **kwargs):
+        q_len, k_len = query.shape[2], key.shape[2]
+        kv_start = k_len - attention_mask[:, -k_len:].sum(-1)
+        factor = ref.logn_factors((k_len - q_len + torch.arange(q_len))[None, :] - kv_start[:, None], 16)
+        return masked(module, (query.float() * factor[:, None, :, None]).to(query.dtype), key, value, attention_mask,
+                      **kwargs)
+
+    AttentionInterface.register("star_reference_logn", scaled_reference)
+    AttentionMaskInterface.register("star_reference_logn", padding_mask)
+    reference = build(config, "star_reference_logn")
+    torch.manual_seed(4)
+    ids = torch.randint(3, 128, (2, 150))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    real = mask.bool()
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # row positions, as generate() passes them (and RoPE uses)
+    with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+        got = model(ids, attention_mask=mask, position_ids=positions).logits
+        want = reference(ids, attention_mask=mask, position_ids=positions).logits
+        plain = star_model(config, unscaled)(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    assert (got[real] - plain[real]).abs().max() > 1e-3, "logN changed nothing"
+    assert recorder.density("context") < 0.8
+
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        whole = model.generate(ids, attention_mask=mask, **kwargs)
+        split = star.generate(model, ids[:, :-7], ids[:, -7:], attention_mask=mask[:, :-7], **kwargs)
+    assert torch.equal(split.sequences, whole.sequences)
+    for a, b in zip(split.logits, whole.logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="logn_scaling"):
+        StarConfig(logn_base=4096)
+
+
 def test_short_context_is_bit_equal_to_sdpa():
     config = tiny_config("llama", 8, 2)
     model = star_model(config, StarConfig(block_size=64, query_tokens=4))   # dense_below defaults to block_size
@@ -198,7 +247,7 @@ def test_generate_errors():
 
 
 # -- two processes (gloo) ---------------------------------------------------------------------------------------
-DIST_CONFIG = dict(block_size=32, anchor_size=16)
+DIST_CONFIG = dict(block_size=32, anchor_size=16, logn_scaling=True, logn_base=16)  # logN: global positions per rank
 DIST_CONTEXT, DIST_QUERY, DIST_NEW = 150, 6, 8
 DIST_TIMEOUT_S = 150
 
