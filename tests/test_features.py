@@ -241,9 +241,11 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
     assert 0 < float(error) < 0.05 * float(unquantized.std())
 
 
-def test_logn_unknown_to_star():
+def test_star_logn_fields_validated_and_round_trip():
+    config = hf_sparse.StarConfig.from_dict({"logn_scaling": True, "logn_base": 64})
+    assert config.logn_scaling and hf_sparse.StarConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="logn_scaling"):
-        hf_sparse.StarConfig.from_dict({"logn_scaling": True})
+        hf_sparse.StarConfig(logn_scaling="yes")
 
 
 def test_int8_kv_left_padded_batch_equals_each_prompt_alone():
