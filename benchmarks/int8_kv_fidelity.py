@@ -1,11 +1,11 @@
-"""int8 KV cache fidelity: next-token KL and top-1 of PLAS (or XAttention) with an int8 SparseCache against the
-same method with a float KV cache (and both against dense sdpa), on the embedded SmolLM2-135M-Instruct.
+"""int8 KV cache fidelity: next-token KL and top-1 of PLAS (or XAttention, or Star) with an int8 SparseCache
+against the same method with a float KV cache (and both against dense sdpa), on the embedded SmolLM2-135M-Instruct.
 
 The prompt's first ``--tokens - --decode`` tokens are prefilled through the cache, the remaining ``--decode``
 tokens are fed one at a time (teacher-forced decode); scored positions: the last ``--positions`` of the
 prefill and every decode step. Prints one table.
 
-    python benchmarks/int8_kv_fidelity.py --tokens 2048 --decode 32 [--method xattn]
+    python benchmarks/int8_kv_fidelity.py --tokens 2048 --decode 32 [--method xattn|star]
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--positions", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--method", default="plas", choices=["plas", "xattn"])
+    parser.add_argument("--method", default="plas", choices=["plas", "xattn", "star"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype)
@@ -70,9 +70,12 @@ def main() -> None:
     if args.method == "plas":
         config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(5, 7), decode_top_k=(5, 7), query_union=64)
         settings = "PLAS block 64, top-k (5, 7)"
-    else:
+    elif args.method == "xattn":
         config = hf_sparse.XAttnConfig(block_size=64, stride=8, threshold=0.9)
         settings = "XAttention block 64, stride 8, threshold 0.9, decode threshold 0.99"
+    else:  # the prompt's last `positions` tokens are the query (global attention), the rest the context
+        config = hf_sparse.StarConfig(block_size=512, anchor_size=512, query_tokens=args.positions)
+        settings = f"Star block 512, anchor 512, last {args.positions} prompt tokens as the query"
     hf_sparse.configure(model, config)
     name = args.method
     results[f"{name}, float KV"] = run(model, ids, "auto", prefill, args.positions)
