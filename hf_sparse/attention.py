@@ -196,13 +196,19 @@ def logn_base_for(config: Any, model_config: Any) -> int | None:
     return int(base)
 
 
-def logn_scaled(query: torch.Tensor, attention_mask: torch.Tensor | None, key_length: int, logn_base: int) -> torch.Tensor:
-    """``query`` times Qwen's logN factor of each query's row position (the dense path's logN)."""
+def logn_scaled(query: torch.Tensor, attention_mask: torch.Tensor | None, key_length: int, logn_base: int,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``query`` times Qwen's logN factor of each query's position: ``position_ids`` (0-based, ``[B or 1, Sq]``)
+    when given, else the row positions of the padding mask (the dense path's logN)."""
     batch, _, num_queries, _ = query.shape
-    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=False)
-    slots = key_length - num_queries + torch.arange(num_queries, device=query.device)
-    factor = kernels.reference.logn_factors(slots[None, :] - kv_start[:, None], logn_base)
-    return (query.float() * factor[:, None, :, None]).to(query.dtype)
+    if position_ids is None:
+        kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=False)
+        slots = key_length - num_queries + torch.arange(num_queries, device=query.device)
+        position_ids = slots[None, :] - kv_start[:, None]
+    elif position_ids.shape[-1] != num_queries:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the {num_queries} queries")
+    factor = kernels.reference.logn_factors(position_ids.to(query.device), logn_base)
+    return (query.float() * factor.reshape(-1, 1, num_queries, 1)).to(query.dtype)
 
 
 def _falls_back_by_density(query: torch.Tensor) -> bool:

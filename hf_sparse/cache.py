@@ -14,7 +14,6 @@ from .config import KV_CACHE_DTYPES
 LAYER_ATTR = "_hf_sparse_layer"
 
 
-
 def _quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per (batch, head, token), float32 scales (same as kernels.reference.quantize_per_token)."""
     scale = (states.detach().float().abs().amax(-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
@@ -119,7 +118,8 @@ class SparseCacheLayer(CacheLayerMixin):
     def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
         """Summaries of every row block ``[B, H, num_blocks, D]`` (blocks counted from each row's first slot).
 
-        Blocks full in every row are summarised once (``kernels.block_summaries``); the later, partly filled ones (at most the padding spread plus one) are recomputed exactly on each call.
+        Blocks full in every row are summarised once (``kernels.block_summaries``); the later, partly filled
+        ones (at most the padding spread plus one) are recomputed exactly on each call.
         A different gate recomputes all. The padding layout ``kv_start`` is taken when the sequence starts
         and kept (one host read per sequence, none per decode step).
         """
@@ -155,7 +155,8 @@ class SparseCacheLayer(CacheLayerMixin):
         window = (keys[:, :, low:high].float() * self.key_scale_storage[:, :, low:high, None]).to(self.dtype)
         # Row b's block first + j starts at kv_start[b] + (first + j) * block_size, i.e. window slot
         # (kv_start[b] - low + first * block_size) + j * block_size: the window's own block j.
-        kernels.block_summaries(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0, count, out=target)
+        kernels.block_summaries(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0,
+                                count, out=target)
 
     # -- Cache protocol -----------------------------------------------------------------------------------
     def get_seq_length(self) -> int:

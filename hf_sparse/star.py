@@ -78,18 +78,6 @@ def _record_dense(layer_idx: int, phase: str, reason: str) -> None:
         _record(LayerRecord(layer_idx, phase, reason))
 
 
-def _logn_scaled(query: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                 key_length: int, logn_base: int) -> torch.Tensor:
-    """``query`` times Qwen's logN factor of each query's true position: the model's ``position_ids`` (global
-    positions on every rank), else the row positions of the padding mask (one process)."""
-    if position_ids is None:
-        return logn_scaled(query, attention_mask, key_length, logn_base)
-    if position_ids.shape[-1] != query.shape[2]:
-        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the {query.shape[2]} queries")
-    factor = kernels.reference.logn_factors(position_ids.to(query.device), logn_base)
-    return (query.float() * factor.reshape(-1, 1, query.shape[2], 1)).to(query.dtype)
-
-
 def star_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -123,7 +111,8 @@ def star_attention_forward(
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     logn_base = logn_base_for(config, module.config)
     if logn_base is not None:  # a positive factor per query: the same in every phase, kernel and rank
-        query = _logn_scaled(query, kwargs.get("position_ids"), attention_mask, key_length, logn_base)
+        # by true positions (the model's position_ids): global ones on every rank
+        query = logn_scaled(query, attention_mask, key_length, logn_base, kwargs.get("position_ids"))
     if run is not None:
         run.calls += 1
         if run.sharded and run.phase == QUERY_PHASE:
