@@ -25,7 +25,7 @@ demo: $(STAMP)
 # tests whose Triton variants need it.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_static_decode.py
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_features.py -k triton
 
 gpu-test: $(STAMP)

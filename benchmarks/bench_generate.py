@@ -7,6 +7,10 @@ over --repeats runs. Peak memory: torch.cuda.max_memory_allocated over the timed
 (weights included). The PLAS densities come from one more, untimed generate(max_new_tokens=8) under
 record_sparsity() (--no-density skips it).
 
+Methods (``--methods``): "sdpa"; "plas" (defaults: decode steps replayed from a CUDA graph, hf_sparse.graphs);
+"plas-eager" (PLASConfig(decode_cuda_graph=False)); "sdpa-static" (transformers' static cache, which makes
+generate() torch.compile the decode step; the compilation falls in the warm-up run).
+
 Inputs: uniformly random token ids by default. With random weights these give i.i.d.-like queries and keys, so
 the PLAS selection united over 128 queries is (nearly) dense and the run measures overhead, not a speed-up.
 ``--segment-vocab N`` draws each 2048-token segment from its own N random token ids instead: the queries of a
@@ -33,13 +37,13 @@ def llama3_8b_config(layers: int) -> LlamaConfig:
                        rope_theta=500000.0)
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
     # The caches of earlier runs can sit in reference cycles: free them first, or 128K runs run out of memory.
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -65,6 +69,8 @@ def main() -> None:
     parser.add_argument("--segment-vocab", type=int, default=0,
                         help="distinct token ids per 2048-token segment (0: uniform random ids)")
     parser.add_argument("--no-density", action="store_true", help="skip the untimed run that records PLAS density")
+    parser.add_argument("--methods", nargs="+", default=["sdpa", "plas"],
+                        choices=["sdpa", "plas", "plas-eager", "sdpa-static"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
@@ -78,38 +84,53 @@ def main() -> None:
     for length in args.lengths:
         ids = input_ids(length, args.segment_vocab)
         results = {}
-        for method in ("sdpa", "plas"):
-            if method == "plas":
-                hf_sparse.configure(model, hf_sparse.PLASConfig())
+        for method in args.methods:
+            extra = {}
+            if method.startswith("plas"):
+                hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=method == "plas"))
             else:
                 model.set_attn_implementation("sdpa")
+                if method == "sdpa-static":
+                    extra = {"cache_implementation": "static"}
+            graphs = model.__dict__.get("forward")
+            replays_before = getattr(graphs, "replays", 0)
             with torch.no_grad():
-                timed_generate(model, ids[:, :4096], 2)  # warm-up: compilation, autotuning
+                # warm-up: compilation, autotuning (for sdpa-static: at this length, the compiled decode step)
+                timed_generate(model, ids[:, :4096] if method != "sdpa-static" else ids, 2 if method != "sdpa-static"
+                               else 4, **extra)
                 torch.cuda.reset_peak_memory_stats()
-                ttft = statistics.median(timed_generate(model, ids, 1) for _ in range(args.repeats))
-                total = statistics.median(timed_generate(model, ids, args.new_tokens) for _ in range(args.repeats))
+                ttft = statistics.median(timed_generate(model, ids, 1, **extra) for _ in range(args.repeats))
+                total = statistics.median(timed_generate(model, ids, args.new_tokens, **extra)
+                                          for _ in range(args.repeats))
             peak = torch.cuda.max_memory_allocated() / 2**30
             results[method] = (ttft, (total - ttft) / (args.new_tokens - 1), peak)
-            print(f"{length} {method}: TTFT {ttft:.3f} s, total {total:.3f} s, peak {peak:.1f} GiB", file=sys.stderr,
-                  flush=True)
+            graphs = model.__dict__.get("forward")
+            replays = getattr(graphs, "replays", 0) - replays_before
+            print(f"{length} {method}: TTFT {ttft:.3f} s, total {total:.3f} s, peak {peak:.1f} GiB, "
+                  f"CUDA-graph replays {replays}", file=sys.stderr, flush=True)
         densities = (float("nan"), float("nan"))
-        if not args.no_density:  # model is still on plas
+        if not args.no_density and "plas" in args.methods:
+            hf_sparse.configure(model, hf_sparse.PLASConfig())
             with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
                 timed_generate(model, ids, 8)
             densities = (recorder.density("prefill"), recorder.density("decode"))
             print(f"{length} plas density: prefill {densities[0]:.3f}, decode {densities[1]:.3f}", file=sys.stderr,
                   flush=True)
-        (t_d, p_d, m_d), (t_s, p_s, m_s) = results["sdpa"], results["plas"]
-        rows.append((length, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s, *densities))
+        base = results.get("sdpa")
+        for method, (t_s, p_s, m_s) in results.items():
+            if method != "sdpa" and base is not None:
+                t_d, p_d, m_d = base
+                rows.append((length, method, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s,
+                             *densities))
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | Llama-3-8B shape, {args.layers} layers, "
           f"bf16, batch 1, {args.new_tokens} new tokens, medians of {args.repeats}, "
           f"{'uniform random ids' if not args.segment_vocab else f'{args.segment_vocab} ids per 2048-token segment'}")
-    print(f"{'input':>7} | {'TTFT sdpa s':>11} {'TTFT plas s':>11} {'speed-up':>8} | {'TPOT sdpa ms':>12} "
-          f"{'TPOT plas ms':>12} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak plas GiB':>13} | {'density prefill':>15} "
+    print(f"{'input':>7} {'method':>11} | {'TTFT sdpa s':>11} {'TTFT s':>8} {'speed-up':>8} | {'TPOT sdpa ms':>12} "
+          f"{'TPOT ms':>8} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak GiB':>8} | {'PLAS density prefill':>20} "
           f"{'decode':>6}")
     for r in rows:
-        print(f"{r[0]:>7} | {r[1]:>11.3f} {r[2]:>11.3f} {r[3]:>7.2f}x | {r[4]:>12.2f} {r[5]:>12.2f} {r[6]:>7.2f}x | "
-              f"{r[7]:>13.1f} {r[8]:>13.1f} | {r[9]:>15.3f} {r[10]:>6.3f}")
+        print(f"{r[0]:>7} {r[1]:>11} | {r[2]:>11.3f} {r[3]:>8.3f} {r[4]:>7.2f}x | {r[5]:>12.2f} {r[6]:>8.2f} "
+              f"{r[7]:>7.2f}x | {r[8]:>13.1f} {r[9]:>8.1f} | {r[10]:>20.3f} {r[11]:>6.3f}")
 
 
 if __name__ == "__main__":

@@ -218,6 +218,36 @@ def _falls_back_by_density(query: torch.Tensor) -> bool:
     return query.is_cuda and kernels.backend_for(query) == "triton"
 
 
+def static_decode(method: str, phase: str, cache_layer: Any, config: Any, query: torch.Tensor) -> bool:
+    """Whether a call reads the key length on the device: PLAS decode over a static, unquantised
+    :class:`~hf_sparse.SparseCache` layer on the Triton path. Such a call reads nothing back to the host and
+    depends on no host length, so it replays correctly under a CUDA graph."""
+    return (method == "plas" and phase == "decode" and cache_layer is not None
+            and getattr(cache_layer, "static", False) and not cache_layer.quantized
+            and cache_layer.kv_start is not None and cache_layer.block_size == config.block_size
+            and kernels.backend_for(query) == "triton")
+
+
+_ALL_BLOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def all_blocks_selection(cache_layer: Any, kv_heads: int, num_queries: int) -> BlockSelection:
+    """Every valid block of each row of a static layer, counted on the device (dense decode with the sparse
+    kernel, CUDA-graph safe)."""
+    block_size = cache_layer.block_size
+    num_blocks = cache_layer.summary_storage.shape[2]
+    device = cache_layer.device_length.device
+    ids = _ALL_BLOCKS.get((device, num_blocks))
+    if ids is None:
+        ids = _ALL_BLOCKS[(device, num_blocks)] = torch.arange(num_blocks, dtype=torch.int32, device=device)
+    batch = cache_layer.kv_start.shape[0]
+    counts = torch.div(cache_layer.device_length - cache_layer.kv_start + block_size - 1, block_size,
+                       rounding_mode="floor").clamp_min(0).to(torch.int32)
+    return BlockSelection(indices=ids.expand(batch, kv_heads, 1, num_blocks),
+                          counts=counts[:, None, None].expand(batch, kv_heads, 1),
+                          block_size=block_size, query_tile=num_queries)
+
+
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -245,6 +275,22 @@ def sparse_attention_forward(
     cache_layer = getattr(key, LAYER_ATTR, None)
     quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)
 
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    if getattr(cache_layer, "static", False) and cache_layer.kv_start is None:
+        # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
+        cache_layer.set_padding(padding_start(attention_mask, batch, key_length, query.device, validate=False))
+    on_device = static_decode(method, phase, cache_layer, config, query)
+    if on_device and key_length >= config.dense_threshold(phase) and config.is_dense_layer(layer_idx, num_layers):
+        # A dense layer of a static decode step: every valid block, through the decode kernel (sdpa would
+        # take the host's length).
+        if _RECORDERS:
+            _record(LayerRecord(layer_idx, phase, "dense_layers"))
+        selection = all_blocks_selection(cache_layer, key.shape[1], num_queries)
+        output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
+                                             scale=scale, q_offset=0, kv_start=cache_layer.kv_start,
+                                             logn_base=logn_base, length=cache_layer.device_length)
+        return output.transpose(1, 2).contiguous(), None
+
     reason = None
     if config.is_dense_layer(layer_idx, num_layers):
         reason = "dense_layers"
@@ -266,7 +312,6 @@ def sparse_attention_forward(
 
     if dropout:
         raise NotImplementedError("hf_sparse sparse attention does not support attention dropout (use model.eval())")
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     q_offset = key_length - num_queries
     if phase == "decode" and cache_layer is not None and cache_layer.kv_start is not None:
         kv_start = cache_layer.kv_start  # the layout taken from the mask when the sequence started
@@ -281,7 +326,12 @@ def sparse_attention_forward(
     scales = {}
     if quantized:
         scales = {"key_scale": cache_layer.key_scales, "value_scale": cache_layer.value_scales}
-    if cache_layer is not None and cache_layer.block_size == config.block_size:
+    device_length = {}
+    if on_device:  # static storage and lengths read on the device (CUDA-graph safe)
+        key, value = cache_layer.key_storage, cache_layer.value_storage
+        device_length = {"length": cache_layer.device_length}
+        summaries = cache_layer.recent_block_summaries(gate, num_queries)
+    elif cache_layer is not None and cache_layer.block_size == config.block_size:
         summaries = cache_layer.block_summaries(gate, kv_start)
     elif quantized:
         dequantized = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
@@ -293,14 +343,14 @@ def sparse_attention_forward(
     policy = METHODS[method](config)
     select = policy.select_decode if phase == "decode" else policy.select_prefill
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start,
-                       key_scale=scales.get("key_scale"))
+                       key_scale=scales.get("key_scale"), **device_length)
     if phase == "prefill" and config.dense_above_density is not None and _falls_back_by_density(query):
         attended, causal = torch.stack(_block_counts(selection, num_queries, q_offset, kv_start)).tolist()
         density = attended / max(causal, 1)
         if density >= config.dense_above_density:
             return run_dense(f"density {density:.3f} >= dense_above_density {config.dense_above_density}")
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
-                                         logn_base=logn_base, **scales)
+                                         logn_base=logn_base, **scales, **device_length)
     if _RECORDERS:
         attended, causal = _block_counts(selection, num_queries, q_offset, kv_start)
         _record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, kv_start)))

@@ -29,16 +29,28 @@ class SparseCacheLayer(CacheLayerMixin):
     appended, so a filling block never needs requantising, and a scale folds into the kernels' score and
     probability columns. :meth:`update` returns the int8 views; the attention function reads the scales
     from the layer (``key_scales`` / ``value_scales``). Summaries are computed from the dequantised keys.
+
+    With ``max_cache_len`` the layer is static: storage for that many tokens is allocated once, new states are
+    written at the positions of ``device_length`` (the valid-slot count kept on the device), and decode can
+    read lengths on the device (:meth:`recent_block_summaries` and the kernels' ``length``) so that a decode
+    step captures into a CUDA graph (:mod:`hf_sparse.graphs`). Past ``max_cache_len`` it grows like the
+    dynamic layer. ``version`` changes whenever storage or the padding layout is replaced.
     """
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto",
+                 max_cache_len: int | None = None, **kwargs: Any) -> None:
         super().__init__()
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        self.device_length: torch.Tensor | None = None
+        self.version = 0
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype == "int8"
         self.key_scale_storage: torch.Tensor | None = None
@@ -59,12 +71,22 @@ class SparseCacheLayer(CacheLayerMixin):
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        if self.static:
+            self.device_length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.is_initialized = True
+
+    @property
+    def static(self) -> bool:
+        """Whether states are written at device-side positions into storage allocated once."""
+        return self.max_cache_len is not None
 
     def _grow(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # Geometric growth rounded up to whole chunks: amortised O(1) copies per token.
-        new_capacity = max(needed, self.capacity + self.capacity // 2)
-        new_capacity = -(-new_capacity // self.chunk_tokens) * self.chunk_tokens
+        if self.static and needed <= self.max_cache_len:
+            new_capacity = -(-self.max_cache_len // self.block_size) * self.block_size
+        else:
+            new_capacity = max(needed, self.capacity + self.capacity // 2)
+            new_capacity = -(-new_capacity // self.chunk_tokens) * self.chunk_tokens
         batch, heads = key_states.shape[:2]
         storage_dtype = torch.int8 if self.quantized else key_states.dtype
         keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1], dtype=storage_dtype)
@@ -85,6 +107,7 @@ class SparseCacheLayer(CacheLayerMixin):
             summaries[:, :, : self.summary_storage.shape[2]] = self.summary_storage
         self.key_storage, self.value_storage, self.summary_storage = keys, values, summaries
         self.capacity = new_capacity
+        self.version += 1
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys = self.key_storage[:, :, : self.length]
@@ -106,13 +129,28 @@ class SparseCacheLayer(CacheLayerMixin):
                     f"SparseCache holds batch {self.key_storage.shape[0]} but got states for batch {key_states.shape[0]}"
                 )
             self._grow(new_length, key_states, value_states)
-        if self.quantized:
-            key_states, self.key_scale_storage[:, :, self.length : new_length] = _quantize(key_states)
-            value_states, self.value_scale_storage[:, :, self.length : new_length] = _quantize(value_states)
-        self.key_storage[:, :, self.length : new_length] = key_states
-        self.value_storage[:, :, self.length : new_length] = value_states
+        if self.static:
+            self._write_at_device_length(key_states, value_states)
+        else:
+            if self.quantized:
+                key_states, self.key_scale_storage[:, :, self.length : new_length] = _quantize(key_states)
+                value_states, self.value_scale_storage[:, :, self.length : new_length] = _quantize(value_states)
+            self.key_storage[:, :, self.length : new_length] = key_states
+            self.value_storage[:, :, self.length : new_length] = value_states
         self.length = new_length
         return self._views()
+
+    def _write_at_device_length(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Static layers: write at slots ``device_length + [0, n)`` and advance it, all on the device."""
+        positions = self.device_length + torch.arange(key_states.shape[2], device=self.device_length.device)
+        if self.quantized:
+            key_states, key_scales = _quantize(key_states)
+            value_states, value_scales = _quantize(value_states)
+            self.key_scale_storage.index_copy_(2, positions, key_scales)
+            self.value_scale_storage.index_copy_(2, positions, value_scales)
+        self.key_storage.index_copy_(2, positions, key_states)
+        self.value_storage.index_copy_(2, positions, value_states)
+        self.device_length.add_(key_states.shape[2])
 
     # -- summaries ----------------------------------------------------------------------------------------
     def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
@@ -128,8 +166,7 @@ class SparseCacheLayer(CacheLayerMixin):
             self.summarized_blocks = 0
             self._summary_source = source
         if self.kv_start is None:
-            self.kv_start = kv_start.clone()
-            self._padding_range = (int(kv_start.min()), int(kv_start.max()))
+            self.set_padding(kv_start)
         kv_start = self.kv_start
         least_pad, most_pad = self._padding_range
         full_blocks = max(0, self.length - most_pad) // self.block_size
@@ -140,6 +177,20 @@ class SparseCacheLayer(CacheLayerMixin):
         if total_blocks > full_blocks:
             self._summarize(gate_weight, kv_start, full_blocks, total_blocks, least_pad)
         return self.summary_storage[:, :, :total_blocks]
+
+    def set_padding(self, kv_start: torch.Tensor) -> None:
+        """Take the sequence's padding layout (left-padding slots per row; one host read per sequence)."""
+        self.kv_start = kv_start.clone()
+        self._padding_range = (int(kv_start.min()), int(kv_start.max()))
+        self.version += 1
+
+    def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
+        """Static, unquantised layers in decode: rewrite the summaries of the blocks holding the last ``recent``
+        tokens, reading the length on the device (no host state is read or changed: CUDA-graph safe), and
+        return the whole summary storage ``[B, H, capacity // block_size, D]``. Earlier blocks were summarised
+        by :meth:`block_summaries` (prefill) or by earlier calls."""
+        return kernels.recent_block_summaries(self.key_storage, gate_weight, self.kv_start, self.block_size,
+                                              self.device_length, recent, self.summary_storage)
 
     def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
                    first: int, end: int, least_pad: int) -> None:
@@ -169,6 +220,8 @@ class SparseCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self.device_length is not None:
+            self.device_length.zero_()
         self.length = 0
         self.summarized_blocks = 0
         self._summary_source = None
@@ -182,6 +235,8 @@ class SparseCacheLayer(CacheLayerMixin):
         else:
             new_length = max(0, self.length + tokens_to_remove)
         self.length = new_length
+        if self.device_length is not None:
+            self.device_length.fill_(new_length)
         self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - self._padding_range[1]) // self.block_size)
         if new_length == 0:
             self.reset()
@@ -201,6 +256,7 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
             self._padding_range = (int(self.kv_start.min()), int(self.kv_start.max()))
+        self.version += 1
         self._views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -225,10 +281,13 @@ class SparseCache(Cache):
     ``generate()`` creates one automatically for models using "plas"; pass one explicitly as
     ``past_key_values=SparseCache(model.config)`` to control it. ``kv_dtype="int8"`` stores K/V as int8 with
     per-token scales (:class:`SparseCacheLayer`); ``None`` takes the method config's ``kv_cache_dtype``.
+    ``max_cache_len`` makes every layer static (storage for that many tokens allocated once, lengths also kept
+    on the device): what decoding under a CUDA graph needs (``generate()`` picks it on CUDA, see
+    :mod:`hf_sparse.graphs`).
     """
 
     def __init__(self, config: Any = None, block_size: int | None = None, chunk_blocks: int = 16,
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, max_cache_len: int | None = None) -> None:
         if block_size is None:
             block_size = _block_size_from_config(config)
         if kv_dtype is None:
@@ -237,15 +296,29 @@ class SparseCache(Cache):
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.block_size = block_size
         self.kv_dtype = kv_dtype
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.static_length = max_cache_len  # (transformers 5.17's Cache has a read-only `max_cache_len`)
         num_layers = None
         if config is not None:
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if num_layers is not None:
-            layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype) for _ in range(num_layers)]
+            layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype, max_cache_len) for _ in range(num_layers)]
             super().__init__(layers=layers)
         else:
-            super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks, kv_dtype))
+            super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks, kv_dtype, max_cache_len))
+
+    @property
+    def layout_version(self) -> tuple[int, ...]:
+        """Changes whenever a layer's storage or padding layout is replaced (what a captured graph points at)."""
+        return tuple(getattr(layer, "version", 0) for layer in self.layers)
+
+    def advance_host_length(self, tokens: int) -> None:
+        """Count ``tokens`` more on the host side of every layer, after a graph replay wrote them on the device."""
+        for layer in self.layers:
+            layer.length += tokens
+            layer._views()
 
     def memory_per_token(self) -> int:
         """Bytes of K/V storage (values plus int8 scales) per token of one sequence, over all initialised layers."""
@@ -262,11 +335,13 @@ class SparseCache(Cache):
 class _LayerFactory:
     """Picklable zero-argument factory of cache layers (for lazily created layers)."""
 
-    def __init__(self, block_size: int, chunk_blocks: int, kv_dtype: str = "auto") -> None:
+    def __init__(self, block_size: int, chunk_blocks: int, kv_dtype: str = "auto",
+                 max_cache_len: int | None = None) -> None:
         self.block_size, self.chunk_blocks, self.kv_dtype = block_size, chunk_blocks, kv_dtype
+        self.max_cache_len = max_cache_len
 
     def __call__(self) -> SparseCacheLayer:
-        return SparseCacheLayer(self.block_size, self.chunk_blocks, self.kv_dtype)
+        return SparseCacheLayer(self.block_size, self.chunk_blocks, self.kv_dtype, self.max_cache_len)
 
 
 def _block_size_from_config(config: Any) -> int:

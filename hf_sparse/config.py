@@ -133,6 +133,10 @@ class PLASConfig(_MethodConfig):
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back.
+        decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
+            :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
+            decode step from a captured CUDA graph once the sequence is past ``dense_below``
+            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly. int8 caches always decode eagerly.
     """
 
     block_size: int = 128
@@ -147,6 +151,7 @@ class PLASConfig(_MethodConfig):
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
     dense_above_density: float | None = 0.75
+    decode_cuda_graph: bool = True
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +171,8 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
+        if not isinstance(self.decode_cuda_graph, bool):
+            raise ValueError(f"decode_cuda_graph must be True or False, got {self.decode_cuda_graph!r}")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""

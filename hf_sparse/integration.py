@@ -15,7 +15,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import dense_attention, sparse_attention_forward
+from . import graphs, kernels
+from .attention import dense_attention, method_config, sparse_attention_forward
 from .cache import SparseCache
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .star import star_attention_forward
@@ -49,8 +50,25 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
 _ORIGINAL: dict[str, Any] = {}
 
 
+def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tuple, kwargs: dict) -> int | None:
+    """Tokens a static cache must hold for CUDA-graph decode of this ``generate()`` call, or None when graphs
+    do not apply (not PLAS, turned off, not CUDA with the Triton kernels, int8 cache)."""
+    if getattr(model.config, "_attn_implementation", None) != "plas":
+        return None
+    config = method_config(model.config, "plas")
+    device = getattr(model, "device", torch.device("cpu"))
+    if not config.decode_cuda_graph or config.kv_cache_dtype != "auto" or device.type != "cuda":
+        return None
+    if kernels.backend_for(torch.empty(0, device=device)) != "triton":
+        return None
+    length = args[2] if len(args) > 2 else kwargs.get("max_cache_length")  # transformers' own cache sizing
+    wanted = generation_config.max_length
+    return max(int(length), wanted) if isinstance(length, int) and length > 0 else wanted
+
+
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    """Default ``generate()`` cache: a SparseCache for our implementations when the user chose none."""
+    """Default ``generate()`` cache: a SparseCache for our implementations when the user chose none (static,
+    with the forward wrapped for CUDA-graph decode, where :mod:`hf_sparse.graphs` applies)."""
     result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
     implementation = getattr(self.config, "_attn_implementation", None)
     cache = model_kwargs.get("past_key_values")
@@ -62,7 +80,10 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         and not getattr(cache, "_is_user_defined", False)
         and cache.get_seq_length() == 0
     ):
-        model_kwargs["past_key_values"] = SparseCache(self.config)
+        cache = SparseCache(self.config, max_cache_len=_graph_cache_length(self, generation_config, args, kwargs))
+        model_kwargs["past_key_values"] = cache
+    if isinstance(cache, SparseCache) and cache.static_length is not None and implementation == "plas":
+        graphs.install(self)
     return result
 
 

@@ -14,7 +14,7 @@ from . import reference
 
 __all__ = [
     "antidiagonal_block_scores", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
-    "reference", "select_blocks", "sparse_attention",
+    "recent_block_summaries", "reference", "select_blocks", "sparse_attention",
 ]
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -68,22 +68,55 @@ def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_
     return result if out is None else out.copy_(result)
 
 
+def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out):
+    """Rewrite in ``out`` the summaries of the row blocks holding the last ``recent`` of ``length`` (a
+    one-element device tensor) valid slots of ``keys`` (a static cache's storage); see
+    :func:`reference.block_summaries`. The Triton op reads ``length`` on the device (CUDA-graph safe)."""
+    if backend_for(keys) == "triton":
+        return _TRITON_OPS[0].recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out)
+    valid = int(length)
+    first = max(0, valid - recent - int(kv_start.max())) // block_size
+    blocks = reference.block_summaries(keys[:, :, :valid], gate_weight, kv_start, block_size, first)
+    out[:, :, first:first + blocks.shape[2]] = blocks
+    return out
+
+
+def _host_length(kwargs: dict, num_queries: int) -> dict:
+    """The reference's form of a call given a device-side ``length``: host ``key_length`` and ``q_offset``."""
+    length = kwargs.pop("length", None)
+    if length is not None:
+        kwargs["key_length"] = int(length)
+        kwargs["q_offset"] = kwargs["key_length"] - num_queries
+    return kwargs
+
+
 def select_blocks(query, summaries, **kwargs):
-    """See :func:`reference.select_blocks`."""
+    """See :func:`reference.select_blocks`; ``length`` (decode, Triton) as in the Triton op."""
     if backend_for(query) == "triton":
         return _TRITON_OPS[1].select_blocks(query, summaries, **kwargs)
-    return reference.select_blocks(query, summaries, **kwargs)
+    return reference.select_blocks(query, summaries, **_host_length(kwargs, query.shape[2]))
 
 
 def sparse_attention(query, key, value, selection, **kwargs):
     """See :func:`reference.sparse_attention`. On Triton, a selection with one query tile over at most 16
     queries (decode, assisted/speculative decoding) runs the split decode kernel, anything else the prefill
-    kernel."""
+    kernel. ``length`` (a one-element device tensor: valid key slots, ``key`` / ``value`` being a static
+    cache's storage) is taken by the decode kernel."""
     if backend_for(query) == "triton":
         _, _, prefill_op, decode_op, _, _, _ = _TRITON_OPS
         if selection.num_query_tiles == 1 and query.shape[2] <= decode_op.MAX_DECODE_QUERIES:
             return decode_op.sparse_decode(query, key, value, selection, **kwargs)
+        if kwargs.get("length") is not None:
+            raise ValueError("a device-side length is for decode calls (one query tile, at most "
+                             f"{decode_op.MAX_DECODE_QUERIES} queries)")
         return prefill_op.sparse_prefill(query, key, value, selection, **kwargs)
+    kwargs = _host_length(kwargs, query.shape[2])
+    if "key_length" in kwargs:
+        valid = kwargs.pop("key_length")
+        key, value = key[:, :, :valid], value[:, :, :valid]
+        for name in ("key_scale", "value_scale"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = kwargs[name][:, :, :valid]
     return reference.sparse_attention(query, key, value, selection, **kwargs)
 
 

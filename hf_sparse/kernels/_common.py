@@ -101,6 +101,27 @@ def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
     return tickets
 
 
+def check_length(length: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A device-side valid-slot count (one integer element on ``device``), or a never-read place holder."""
+    if length is None:
+        return _placeholder(device)
+    if length.numel() != 1 or length.is_floating_point() or length.device != device:
+        raise ValueError(f"length must be a one-element integer tensor on {device}, got {tuple(length.shape)} "
+                         f"{length.dtype} on {length.device}")
+    return length
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """One int32 element per device, passed for pointers a launch never reads (no allocation per call)."""
+    holder = _PLACEHOLDERS.get(device)
+    if holder is None:
+        holder = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return holder
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -9,25 +9,33 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import check_length, next_power_of_2
+
 
 @triton.jit
 def _block_summaries_kernel(
-    K, W, OUT, KV_START,
+    K, W, OUT, KV_START, LENGTH,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_wh, stride_wi, stride_wd,
     stride_ob, stride_oh, stride_on, stride_od,
-    key_length, first_block,
+    key_length, first_block, recent, out_blocks,
     KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_GATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_GATE: tl.constexpr, RECENT: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
-    block = tl.program_id(1)
     b = batch_head // KV_HEADS
     h = batch_head % KV_HEADS
     kv_start = tl.load(KV_START + b).to(tl.int32)
+    if RECENT:  # the row blocks holding the last `recent` of LENGTH slots, stored at their own index
+        key_length = tl.load(LENGTH).to(tl.int32)
+        block = tl.maximum(key_length - recent - kv_start, 0) // BLOCK_SIZE + tl.program_id(1)
+        row_block = block
+    else:
+        block = tl.program_id(1)
+        row_block = first_block + block
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    block_first = kv_start + (first_block + block) * BLOCK_SIZE
+    block_first = kv_start + row_block * BLOCK_SIZE
     total = tl.zeros([D_PAD], tl.float32)
     valid_slots = tl.zeros([ROWS], tl.float32)
     for r0 in tl.static_range(0, BLOCK_SIZE, ROWS):
@@ -44,12 +52,11 @@ def _block_summaries_kernel(
         valid_slots += valid.to(tl.float32)
     if not HAS_GATE:
         total = total / tl.maximum(tl.sum(valid_slots, 0), 1.0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + block * stride_on + offs_d * stride_od, total, mask=d_ok)
+    store_ok = d_ok
+    if RECENT:
+        store_ok = d_ok & (offs_d * 0 + block_first < key_length) & (offs_d * 0 + block < out_blocks)
+    tl.store(OUT + b * stride_ob + h * stride_oh + block * stride_on + offs_d * stride_od, total, mask=store_ok)
 
-
-def _next_power_of_2(n: int) -> int:
-    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def block_summaries(
@@ -88,16 +95,50 @@ def block_summaries(
         raise ValueError(f"out must be float32 {(batch, heads, num_blocks, dim)}, got {tuple(out.shape)} {out.dtype}")
     if num_blocks == 0 or batch * heads == 0:
         return out
+    _launch(keys, gate_weight, kv_start, block_size, out, (batch * heads, num_blocks), length, first_block)
+    return out
+
+
+def recent_block_summaries(
+    keys: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    kv_start: torch.Tensor,
+    block_size: int,
+    length: torch.Tensor,
+    recent: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Rewrite in ``out`` (float32 ``[B, Hkv, n, D]``, all row blocks) the summaries of the row blocks holding
+    the last ``recent`` of ``length`` valid slots (``length``: a one-element integer tensor on the device;
+    ``keys``: a static cache's whole storage). Nothing is read back to the host: one launch serves every
+    decode step of a CUDA graph. Blocks before them must already be summarised.
+    """
+    batch, heads, _, dim = keys.shape
+    if not 1 <= recent <= block_size:
+        raise ValueError(f"recent must be in [1, block_size={block_size}], got {recent}")
+    if out.dtype != torch.float32 or tuple(out.shape[:2]) != (batch, heads) or out.shape[3] != dim:
+        raise ValueError(f"out must be float32 [{batch}, {heads}, n, {dim}], got {tuple(out.shape)} {out.dtype}")
+    if gate_weight is not None and tuple(gate_weight.shape) != (heads, block_size, dim):
+        raise ValueError(
+            f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
+        )
+    # `recent` <= block_size slots span at most two blocks of a row.
+    _launch(keys, gate_weight, kv_start.to(keys.device), block_size, out, (batch * heads, 2), 0, 0,
+            check_length(length, keys.device), recent)
+    return out
+
+
+def _launch(keys, gate_weight, kv_start, block_size, out, grid, key_length, first_block, length=None, recent=0):
     weight = gate_weight if gate_weight is not None else keys.new_empty(1, 1, 1)
-    d_pad = max(16, _next_power_of_2(dim))
-    rows = max(1, min(_next_power_of_2(block_size), 8192 // d_pad))
+    dim = keys.shape[3]
+    d_pad = max(16, next_power_of_2(dim))
+    rows = max(1, min(next_power_of_2(block_size), 8192 // d_pad))
     if block_size % rows:
         rows = 1  # block sizes that are not powers of two: one slot at a time
-    _block_summaries_kernel[(batch * heads, num_blocks)](
-        keys, weight, out, kv_start,
+    _block_summaries_kernel[grid](
+        keys, weight, out, kv_start, length if length is not None else kv_start,
         *keys.stride(), *weight.stride(), *out.stride(),
-        length, first_block,
-        KV_HEADS=heads, BLOCK_SIZE=block_size, ROWS=rows, HEAD_DIM=dim, D_PAD=d_pad,
-        HAS_GATE=gate_weight is not None, num_warps=4,
+        key_length, first_block, recent, out.shape[2],
+        KV_HEADS=keys.shape[1], BLOCK_SIZE=block_size, ROWS=rows, HEAD_DIM=dim, D_PAD=d_pad,
+        HAS_GATE=gate_weight is not None, RECENT=length is not None, num_warps=4,
     )
-    return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import next_power_of_2
+
 
 @triton.jit
 def _merge_lse_kernel(
@@ -52,10 +54,6 @@ def _merge_lse_kernel(
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(OUT_LSE + i0 * stride_m0 + i1 * stride_m1 + i2 * stride_m2, merged, mask=row_ok)
 
-
-def _next_power_of_2(n: int) -> int:
-    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _row_view(tensor: torch.Tensor, keep_front: int, keep_back: int, writable: bool = False) -> torch.Tensor:
@@ -126,7 +124,7 @@ def merge_lse(
     part_lse = _row_view(lses, 1, 0)
     out_rows = _row_view(out, 0, 1, writable=True)
     lse_rows = _row_view(out_lse, 0, 0, writable=True)
-    d_pad = max(16, _next_power_of_2(head_dim))
+    d_pad = max(16, next_power_of_2(head_dim))
     block_r = max(1, min(64, 4096 // d_pad))
     _merge_lse_kernel[(-(-num_rows // block_r),)](
         parts, part_lse, out_rows, lse_rows, skip_flags,

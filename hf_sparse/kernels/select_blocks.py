@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..selection import BlockSelection
 from . import reference
-from ._common import alibi_args, ticket_counters
+from ._common import alibi_args, check_length, next_power_of_2, ticket_counters
 
 logger = logging.getLogger(__name__)
 
@@ -168,14 +168,10 @@ def _select_blocks_kernel(
                      stride_ik, COUNTS + b * stride_cb + sel_head * stride_ch + tile * stride_ct, num_blocks, NB_PAD)
 
 
-def _next_power_of_2(n: int) -> int:
-    """Host-side (triton.next_power_of_2 goes through triton's constexpr machinery on every call)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
 
 @triton.jit
 def _decode_select_kernel(
-    Q, S, LOGITS, KV_START, INDICES, COUNTS, TICKETS, SLOPES,
+    Q, S, LOGITS, KV_START, INDICES, COUNTS, TICKETS, SLOPES, LENGTH,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_sb, stride_sh, stride_sn, stride_sd,
     stride_ib, stride_ih, stride_ik,
@@ -185,12 +181,14 @@ def _decode_select_kernel(
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
     SINK_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
+    DEVICE_LENGTH: tl.constexpr,
 ):
     """Selection of a call with one query tile of few rows (decode), in one launch.
 
     One program per (selection row, chunk of NB_CHUNK blocks) writes the chunk's scaled, masked logits to
     LOGITS (one program per row would read the whole summary row through one SM); the last program of a
-    row to finish (a ticket per row, reset by it) reads the row's logits back and selects.
+    row to finish (a ticket per row, reset by it) reads the row's logits back and selects. With
+    DEVICE_LENGTH the key length (and so the query offset) is read from LENGTH.
     """
     row_id = tl.program_id(0)
     blocks = tl.program_id(1) * NB_CHUNK + tl.arange(0, NB_CHUNK)
@@ -198,6 +196,9 @@ def _decode_select_kernel(
     sel_head = row_id % SEL_HEADS
     first_q_head = sel_head * HEADS_PER_ROW
     kv_head = first_q_head // GROUP
+    if DEVICE_LENGTH:
+        key_length = tl.load(LENGTH).to(tl.int32)
+        q_offset = key_length - num_queries
     kv_start = tl.load(KV_START + b).to(tl.int32)
     pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
     last_block = tl.minimum(num_blocks - 1, tl.where(key_length > kv_start, (key_length - 1 - kv_start) // BLOCK_SIZE, -1))
@@ -243,7 +244,7 @@ def _interpreting() -> bool:
 def _bands(num_tiles: int, query_tile: int, q_offset: int, block_size: int, num_blocks: int) -> list[tuple[int, int, int]]:
     """``(first_tile, tiles, nb_pad)``: consecutive tiles grouped by the power-of-two width covering the blocks
     their queries can see (at most ``(q_offset + (t + 1) * query_tile - 1) // block_size + 1``, any padding)."""
-    widest = max(16, _next_power_of_2(num_blocks))
+    widest = max(16, next_power_of_2(num_blocks))
     bands, start, width = [], 0, 16
     while start < num_tiles:
         if width >= widest:
@@ -274,13 +275,17 @@ def select_blocks(
     key_length: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    length: torch.Tensor | None = None,
 ) -> BlockSelection:
     """Triton version of :func:`hf_sparse.kernels.reference.select_blocks` (same arguments and result).
 
     ``query`` ``[B, Hq, Sq, D]`` and ``summaries`` ``[B, Hkv, num_blocks, D]`` take any strides. ``out``
     (int32 ``indices [B, H, T, num_blocks]`` and ``counts [B, H, T]``) is filled in place when given. With one
     query tile spanning the call (decode) nothing is read back to the host. ``alibi_slopes`` (``[Hq]``, on the
-    query's device) adds each head's ALiBi bias to its block logits, as the reference does.
+    query's device) adds each head's ALiBi bias to its block logits, as the reference does. ``length`` (a
+    one-element integer tensor on the device; decode only) gives the key length, and ``q_offset = length - Sq``,
+    on the device: ``summaries`` may then be a static cache's whole storage, and one launch serves every step
+    of a CUDA graph.
     """
     if query.dim() != 4 or summaries.dim() != 4:
         raise ValueError(f"query [B,Hq,Sq,D] and summaries [B,Hkv,nb,D] expected, got {tuple(query.shape)}, "
@@ -300,14 +305,22 @@ def select_blocks(
         raise ValueError(f"top_k must satisfy 1 <= left <= right, got {top_k}")
     if query_tile < 1 or block_size < 1 or search_steps < 0:
         raise ValueError("query_tile and block_size must be >= 1, search_steps >= 0")
-    if max(16, _next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
+    if max(16, next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
         logger.warning("select_blocks: %d blocks exceed the Triton kernel's %d; using the PyTorch reference",
                        num_blocks, MAX_BLOCKS)
+        if length is not None:  # the reference takes host lengths (one device-to-host read)
+            key_length = int(length)
+            q_offset = key_length - num_queries
         return reference.select_blocks(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                        block_size=block_size, top_k=top_k, query_tile=query_tile,
                                        head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps,
                                        key_length=key_length, alibi_slopes=alibi_slopes)
     slopes = alibi_args(alibi_slopes, query)
+    length_arg = check_length(length, query.device)
+    if length is not None:
+        if query_tile < num_queries:
+            raise ValueError("select_blocks: a device-side length is for decode (one query tile spanning the call)")
+        q_offset = key_length = 0  # read from `length` in the kernel
     key_length = q_offset + num_queries if key_length is None else key_length
     kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
@@ -340,14 +353,16 @@ def select_blocks(
         if num_tiles > 1 and summaries.dtype != torch.float16:
             summaries = summaries.to(torch.float16)
     elem = max(elem, summaries.element_size())  # the loaded tile, before any conversion, bounds the chunk too
-    d_pad = max(16, _next_power_of_2(head_dim))
+    d_pad = max(16, next_power_of_2(head_dim))
     rows = (q_heads // kv_heads if head_union else 1) * query_tile
-    for first_tile, tiles, nb_pad in _bands(num_tiles, query_tile, q_offset, block_size, num_blocks):
+    # With a device-side length any of the blocks may be visible: one band as wide as the summaries.
+    band_offset = num_blocks * block_size if length is not None else q_offset
+    for first_tile, tiles, nb_pad in _bands(num_tiles, query_tile, band_offset, block_size, num_blocks):
         # Each chunk of BLOCK_Q queries re-reads the summaries: at least min_block_q queries per read while
         # the row has at most 1024 blocks (32 x 1024 logits over 8 warps: measured fastest), 16 past that.
         block_q = TUNING["logits_per_program"] // nb_pad
         block_q = max(TUNING["min_block_q"] if nb_pad <= 1024 else 16, min(TUNING["max_block_q"], block_q))
-        block_q = max(16, min(block_q, _next_power_of_2(rows)))
+        block_q = max(16, min(block_q, next_power_of_2(rows)))
         warps = max(4, min(TUNING["max_warps"], block_q * nb_pad // TUNING["logits_per_warp"]))
         d_chunk = 16  # the summaries chunk of one dot: bounded registers while loading, shared memory for the dot
         while d_chunk * 2 <= min(d_pad, TUNING["chunk_bytes"] // (nb_pad * elem)):
@@ -362,11 +377,16 @@ def select_blocks(
             logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
             _decode_select_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
                 query, summaries, logits, kv_start, indices, counts, ticket_counters(batch * sel_heads, query.device), slopes,
+                length_arg,
                 *query.stride(), *summaries.stride(), indices.stride(0), indices.stride(1), indices.stride(3),
                 counts.stride(0), counts.stride(1), *args, left, right, search_steps, nb_pad // nb_chunk,
-                NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), num_warps=warps, **shape_args,
+                NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), DEVICE_LENGTH=length is not None, num_warps=warps,
+                **shape_args,
             )
             continue
+        if length is not None:
+            raise ValueError(f"select_blocks: a device-side length needs the decode kernel ({rows} query rows per "
+                             f"selection row exceed its {block_q})")
         union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=query.device)
         _select_blocks_kernel[(batch * sel_heads, tiles)](
             query, summaries, indices, counts, kv_start, union, slopes,

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
-from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, sm_count,
+from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
                       ticket_counters, wide_offsets)
 from .sparse_prefill import _attend_entries, _finish
 
@@ -32,6 +32,7 @@ TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
 @triton.jit
 def _sparse_decode_kernel(
     Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES, FINAL, FINAL_LSE, TICKETS,
+    LENGTH,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -49,7 +50,7 @@ def _sparse_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
-    MERGE: tl.constexpr,
+    MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -59,6 +60,9 @@ def _sparse_decode_kernel(
     first_head = sel_head * HEADS_PER_ROW + (head_prog % HEAD_GROUPS) * HEADS_PER_PROG
     kv_head = first_head // GROUP
     b64 = b.to(tl.int64)
+    if DEVICE_LENGTH:  # valid slots read on the device (a static cache under a CUDA graph)
+        key_length = tl.load(LENGTH).to(tl.int32)
+        q_offset = key_length - NUM_QUERIES
 
     kv_start = tl.load(KV_START + b).to(tl.int32)
     pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), NUM_QUERIES)
@@ -171,12 +175,15 @@ def sparse_decode(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decode for a selection with one query tile and at most :data:`MAX_DECODE_QUERIES` queries.
 
     Same result as :func:`hf_sparse.kernels.reference.sparse_attention` (``logn_base`` and ``skip`` too).
     ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
-    back to the host.
+    back to the host. ``length`` (a one-element integer tensor on the device) is the number of valid key
+    slots when ``key`` / ``value`` are a static cache's whole storage; ``q_offset`` is then ``length - Sq``,
+    read in the kernel, so one launch serves every step of a CUDA graph.
     """
     out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
@@ -206,6 +213,9 @@ def sparse_decode(
     indices = selection.indices[:, :, 0]
     counts = selection.counts[:, :, 0]
     kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    length_arg = check_length(length, query.device)
+    if length is not None:
+        q_offset = key_length = 0  # read from `length` in the kernel
     configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(TUNING["block_n"], TUNING["num_stages"])]
     configs += [(64, 2), (32, 2), (32, 1), (16, 1)]
     for block_n, stages in configs:
@@ -215,7 +225,7 @@ def sparse_decode(
         try:
             _sparse_decode_kernel[(programs, splits)](
                 query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
-                out, lse, tickets,
+                out, lse, tickets, length_arg,
                 *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
                 *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 *indices.stride(), *counts.stride(),
@@ -227,7 +237,8 @@ def sparse_decode(
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-                ALIBI=alibi_slopes is not None, MERGE=splits > 1, num_warps=TUNING["num_warps"], num_stages=stages,
+                ALIBI=alibi_slopes is not None, MERGE=splits > 1,
+                DEVICE_LENGTH=length is not None, num_warps=TUNING["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller

@@ -36,11 +36,12 @@ class PLASMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
     ) -> BlockSelection:
+        """``length``: the key length as a device tensor (static cache storage passed as ``summaries``)."""
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
             block_size=self.config.block_size, top_k=self.config.decode_top_k,
             query_tile=query.shape[2], head_union=True,
-            sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps,
+            sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps, length=length,
         )
