@@ -219,13 +219,20 @@ def _falls_back_by_density(query: torch.Tensor) -> bool:
 
 
 def static_decode(method: str, phase: str, cache_layer: Any, config: Any, query: torch.Tensor) -> bool:
-    """Whether a call reads the key length on the device: PLAS decode over a static, unquantised
-    :class:`~hf_sparse.SparseCache` layer on the Triton path. Such a call reads nothing back to the host and
+    """Whether a call reads the key length on the device: PLAS decode over a static
+    :class:`~hf_sparse.SparseCache` layer (bf16/fp16/fp32 or int8) on the Triton path. Such a call reads nothing back to the host and
     depends on no host length, so it replays correctly under a CUDA graph."""
     return (method == "plas" and phase == "decode" and cache_layer is not None
-            and getattr(cache_layer, "static", False) and not cache_layer.quantized
+            and getattr(cache_layer, "static", False)
             and cache_layer.kv_start is not None and cache_layer.block_size == config.block_size
             and kernels.backend_for(query) == "triton")
+
+
+def static_scales(cache_layer: Any) -> dict[str, torch.Tensor]:
+    """The int8 scales of a static layer's whole storage as kernel arguments (none for float storage)."""
+    if not cache_layer.quantized:
+        return {}
+    return {"key_scale": cache_layer.key_scale_storage, "value_scale": cache_layer.value_scale_storage}
 
 
 _ALL_BLOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -288,7 +295,8 @@ def sparse_attention_forward(
         selection = all_blocks_selection(cache_layer, key.shape[1], num_queries)
         output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
                                              scale=scale, q_offset=0, kv_start=cache_layer.kv_start,
-                                             logn_base=logn_base, length=cache_layer.device_length)
+                                             logn_base=logn_base, length=cache_layer.device_length,
+                                             **static_scales(cache_layer))
         return output.transpose(1, 2).contiguous(), None
 
     reason = None
@@ -330,6 +338,7 @@ def sparse_attention_forward(
     if on_device:  # static storage and lengths read on the device (CUDA-graph safe)
         key, value = cache_layer.key_storage, cache_layer.value_storage
         device_length = {"length": cache_layer.device_length}
+        scales = static_scales(cache_layer)
         summaries = cache_layer.recent_block_summaries(gate, num_queries)
     elif cache_layer is not None and cache_layer.block_size == config.block_size:
         summaries = cache_layer.block_summaries(gate, kv_start)

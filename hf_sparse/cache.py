@@ -185,12 +185,13 @@ class SparseCacheLayer(CacheLayerMixin):
         self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
-        """Static, unquantised layers in decode: rewrite the summaries of the blocks holding the last ``recent``
+        """Static layers in decode: rewrite the summaries of the blocks holding the last ``recent``
         tokens, reading the length on the device (no host state is read or changed: CUDA-graph safe), and
         return the whole summary storage ``[B, H, capacity // block_size, D]``. Earlier blocks were summarised
         by :meth:`block_summaries` (prefill) or by earlier calls."""
         return kernels.recent_block_summaries(self.key_storage, gate_weight, self.kv_start, self.block_size,
-                                              self.device_length, recent, self.summary_storage)
+                                              self.device_length, recent, self.summary_storage,
+                                              key_scale=self.key_scale_storage, dtype=self.dtype)
 
     def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
                    first: int, end: int, least_pad: int) -> None:

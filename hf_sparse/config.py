@@ -136,7 +136,8 @@ class PLASConfig(_MethodConfig):
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
             decode step from a captured CUDA graph once the sequence is past ``dense_below``
-            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly. int8 caches always decode eagerly.
+            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly. With ``kv_cache_dtype="int8"`` generate()
+            decodes eagerly (a static int8 cache passed explicitly takes the graph path).
     """
 
     block_size: int = 128

@@ -88,7 +88,7 @@ class DecodeGraphs:
             return None
         steps = input_ids.shape[1]
         for layer in cache.layers:
-            if (not getattr(layer, "static", False) or layer.quantized or layer.key_storage is None
+            if (not getattr(layer, "static", False) or layer.key_storage is None
                     or layer.kv_start is None or layer.length + steps > layer.capacity):
                 return None
         if cache.layers[0].length < config.dense_threshold("decode"):

@@ -52,7 +52,8 @@ _ORIGINAL: dict[str, Any] = {}
 
 def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tuple, kwargs: dict) -> int | None:
     """Tokens a static cache must hold for CUDA-graph decode of this ``generate()`` call, or None when graphs
-    do not apply (not PLAS, turned off, not CUDA with the Triton kernels, int8 cache)."""
+    do not apply (not PLAS, turned off, not CUDA with the Triton kernels, an int8 cache: its device-length path
+    is tested in the Triton interpreter but not yet on a GPU, so generate() keeps int8 caches dynamic)."""
     if getattr(model.config, "_attn_implementation", None) != "plas":
         return None
     config = method_config(model.config, "plas")

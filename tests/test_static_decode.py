@@ -86,6 +86,32 @@ def test_recent_block_summaries(size, batch, heads, dim, dtype, gated, recent):
 
 @needs_triton
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype, gated", [("bf16", True), ("fp16", False)])
+def test_recent_block_summaries_int8(size, dtype, gated):
+    """int8 keys with per-token scales: the summaries of the dequantised keys, rounded to the model's dtype."""
+    gen = torch.Generator().manual_seed(seed("int8", size, dtype, gated))
+    d = dims(size)
+    length, capacity, block = d["length"], d["capacity"], d["block"]
+    batch, heads, dim, recent = 3, 2, 64, 1
+    keys = storage(batch, heads, capacity, length, dim, torch.float32, gen)
+    quantized, scales = ref.quantize_per_token(keys)
+    kv_start = torch.tensor([0, 7, 21], device=DEVICE)
+    gate = torch.randn(heads, block, dim, generator=gen).to(DTYPES[dtype]).to(DEVICE) if gated else None
+    dequantized = ref.dequantize_per_token(quantized[:, :, :length], scales[:, :, :length]).to(DTYPES[dtype])
+    expected = ref.block_summaries(dequantized, gate, kv_start, block)
+    out = torch.full((batch, heads, capacity // block, dim), float("nan"), device=DEVICE)
+    out[:, :, :expected.shape[2]] = ref.block_summaries(dequantized[:, :, :length - recent], gate, kv_start, block)
+    kernels.recent_block_summaries(quantized, gate, kv_start, block, length_tensor(length), recent, out,
+                                   key_scale=scales, dtype=DTYPES[dtype])
+    last = (length - 1 - kv_start) // block  # each row's filling block
+    for b in range(batch):
+        torch.testing.assert_close(out[b, :, last[b]], expected[b, :, last[b]], atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="key_scale"):
+        kernels.recent_block_summaries(quantized, gate, kv_start, block, length_tensor(length), recent, out)
+
+
+@needs_triton
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("batch, q_heads, kv_heads, dim, dtype, num_queries", [
     (1, 8, 2, 64, "fp32", 1), (3, 8, 1, 128, "bf16", 1), (3, 4, 4, 64, "fp16", 3),
 ])
@@ -164,10 +190,11 @@ def decode_logits(model, cache, ids, mask, steps):
     return torch.stack(logits)
 
 
-def test_static_cache_decode_equals_dynamic(monkeypatch):
-    """Left-padded batch, decode across block boundaries: a static cache gives the dynamic cache's logits. On
-    the Triton path (interpreter or CUDA) decode reads its lengths on the device (and the dense last layer
-    runs the decode kernel over all blocks); on the PyTorch path it is the dynamic path exactly."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_static_cache_decode_equals_dynamic(monkeypatch, kv_dtype):
+    """Left-padded batch, decode across block boundaries: a static cache gives the dynamic cache's logits (float
+    or int8 K/V). On the Triton path (interpreter or CUDA) decode reads its lengths on the device (and the dense
+    last layer runs the decode kernel over all blocks); on the PyTorch path it is the dynamic path exactly."""
     model = build(tiny_config(layers=3), "plas").to(DEVICE)
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
                                                     dense_below=0, query_union=16))
@@ -178,8 +205,8 @@ def test_static_cache_decode_equals_dynamic(monkeypatch):
     calls = []
     original = kernels.recent_block_summaries
     monkeypatch.setattr(kernels, "recent_block_summaries", lambda *a, **k: calls.append(1) or original(*a, **k))
-    dynamic = decode_logits(model, SparseCache(model.config), ids, mask, 20)
-    static_cache = SparseCache(model.config, max_cache_len=95)
+    dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, 20)
+    static_cache = SparseCache(model.config, max_cache_len=95, kv_dtype=kv_dtype)
     static = decode_logits(model, static_cache, ids, mask, 20)
     on_device = kernels.backend_for(ids.float()) == "triton"
     assert len(calls) == (20 * 2 if on_device else 0)  # the two sparse layers of each decode step
@@ -192,8 +219,9 @@ def test_static_cache_decode_equals_dynamic(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_decode_equals_eager_static_decode(dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                             (torch.bfloat16, "int8")])
+def test_cuda_graph_decode_equals_eager_static_decode(dtype, kv_dtype):
     """Decode steps replayed from a captured graph give the logits of the same steps run eagerly (same kernels,
     lengths read on the device), across block boundaries, with a left-padded batch."""
     model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "plas").to("cuda", dtype)
@@ -203,11 +231,12 @@ def test_cuda_graph_decode_equals_eager_static_decode(dtype):
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
     hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=False, **plas))
-    eager = decode_logits(model, SparseCache(model.config, max_cache_len=340), ids, mask, 36)
+    eager = decode_logits(model, SparseCache(model.config, max_cache_len=340, kv_dtype=kv_dtype), ids, mask, 36)
     hf_sparse.configure(model, hf_sparse.PLASConfig(**plas))
     wrapper = hf_sparse.graphs.install(model)
     try:
-        replayed = decode_logits(model, SparseCache(model.config, max_cache_len=340), ids, mask, 36)
+        replayed = decode_logits(model, SparseCache(model.config, max_cache_len=340, kv_dtype=kv_dtype), ids, mask,
+                                 36)
     finally:
         hf_sparse.graphs.uninstall(model)
     assert wrapper.disabled_reason is None and wrapper.replays == 35  # step 1 warms up, steps 2..36 replay

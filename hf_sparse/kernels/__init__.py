@@ -68,15 +68,20 @@ def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_
     return result if out is None else out.copy_(result)
 
 
-def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out):
+def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out, key_scale=None, dtype=None):
     """Rewrite in ``out`` the summaries of the row blocks holding the last ``recent`` of ``length`` (a
-    one-element device tensor) valid slots of ``keys`` (a static cache's storage); see
-    :func:`reference.block_summaries`. The Triton op reads ``length`` on the device (CUDA-graph safe)."""
+    one-element device tensor) valid slots of ``keys`` (a static cache's storage; int8 with ``key_scale``,
+    dequantised to ``dtype``); see :func:`reference.block_summaries`. The Triton op reads ``length`` on the
+    device (CUDA-graph safe)."""
     if backend_for(keys) == "triton":
-        return _TRITON_OPS[0].recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out)
+        return _TRITON_OPS[0].recent_block_summaries(keys, gate_weight, kv_start, block_size, length, recent, out,
+                                                     key_scale=key_scale, dtype=dtype)
     valid = int(length)
+    keys = keys[:, :, :valid]
+    if key_scale is not None:
+        keys = reference.dequantize_per_token(keys, key_scale[:, :, :valid]).to(dtype)
     first = max(0, valid - recent - int(kv_start.max())) // block_size
-    blocks = reference.block_summaries(keys[:, :, :valid], gate_weight, kv_start, block_size, first)
+    blocks = reference.block_summaries(keys, gate_weight, kv_start, block_size, first)
     out[:, :, first:first + blocks.shape[2]] = blocks
     return out
 

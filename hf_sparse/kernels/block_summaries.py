@@ -9,18 +9,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_length, next_power_of_2
+from ._common import check_length, check_token_scale, next_power_of_2
+
+
+@triton.jit
+def _round_to(x, ROUND: tl.constexpr):
+    """float32 ``x`` rounded to float16 (ROUND 1) or bfloat16 (ROUND 2, round-to-nearest-even on the bits: the
+    interpreter's bfloat16 conversion does not round so), as float32; unchanged for ROUND 0."""
+    if ROUND == 1:
+        return x.to(tl.float16).to(tl.float32)
+    if ROUND == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
 def _block_summaries_kernel(
-    K, W, OUT, KV_START, LENGTH,
+    K, W, OUT, KV_START, LENGTH, K_SCALE,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_wh, stride_wi, stride_wd,
     stride_ob, stride_oh, stride_on, stride_od,
+    stride_ksb, stride_ksh, stride_kss,
     key_length, first_block, recent, out_blocks,
     KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_GATE: tl.constexpr, RECENT: tl.constexpr,
+    QUANT: tl.constexpr, ROUND: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     b = batch_head // KV_HEADS
@@ -44,6 +59,10 @@ def _block_summaries_kernel(
         valid = slots < key_length
         keys = tl.load(K + b * stride_kb + h * stride_kh + slots[:, None].to(tl.int64) * stride_ks
                        + offs_d[None, :] * stride_kd, mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if QUANT:  # int8 keys times their per-token scale, rounded to the model's dtype as the cache's keys are
+            token_scale = tl.load(K_SCALE + b * stride_ksb + h * stride_ksh + slots.to(tl.int64) * stride_kss,
+                                  mask=valid, other=0.0)
+            keys = _round_to(keys * token_scale[:, None], ROUND)
         if HAS_GATE:
             weight = tl.load(W + h * stride_wh + in_block[:, None] * stride_wi + offs_d[None, :] * stride_wd,
                              mask=d_ok[None, :], other=0.0).to(tl.float32)
@@ -107,11 +126,14 @@ def recent_block_summaries(
     length: torch.Tensor,
     recent: int,
     out: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Rewrite in ``out`` (float32 ``[B, Hkv, n, D]``, all row blocks) the summaries of the row blocks holding
     the last ``recent`` of ``length`` valid slots (``length``: a one-element integer tensor on the device;
     ``keys``: a static cache's whole storage). Nothing is read back to the host: one launch serves every
-    decode step of a CUDA graph. Blocks before them must already be summarised.
+    decode step of a CUDA graph. Blocks before them must already be summarised. int8 ``keys`` come with their
+    float32 per-token ``key_scale`` ``[B, Hkv, S]`` and the ``dtype`` the dequantised keys are rounded to.
     """
     batch, heads, _, dim = keys.shape
     if not 1 <= recent <= block_size:
@@ -123,22 +145,34 @@ def recent_block_summaries(
             f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
         )
     # `recent` <= block_size slots span at most two blocks of a row.
+    if (keys.dtype == torch.int8) != (key_scale is not None):
+        raise ValueError("int8 keys need their key_scale (and only int8 keys take one)")
+    if key_scale is not None:
+        check_token_scale("key_scale", key_scale, keys)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"int8 keys need the dtype they dequantise to (float16/bfloat16/float32), got {dtype}")
     _launch(keys, gate_weight, kv_start.to(keys.device), block_size, out, (batch * heads, 2), 0, 0,
-            check_length(length, keys.device), recent)
+            check_length(length, keys.device), recent, key_scale, dtype)
     return out
 
 
-def _launch(keys, gate_weight, kv_start, block_size, out, grid, key_length, first_block, length=None, recent=0):
+_ROUNDING = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def _launch(keys, gate_weight, kv_start, block_size, out, grid, key_length, first_block, length=None, recent=0,
+            key_scale=None, dtype=None):
     weight = gate_weight if gate_weight is not None else keys.new_empty(1, 1, 1)
+    scale = key_scale if key_scale is not None else out.new_empty(1, 1, 1)
     dim = keys.shape[3]
     d_pad = max(16, next_power_of_2(dim))
     rows = max(1, min(next_power_of_2(block_size), 8192 // d_pad))
     if block_size % rows:
         rows = 1  # block sizes that are not powers of two: one slot at a time
     _block_summaries_kernel[grid](
-        keys, weight, out, kv_start, length if length is not None else kv_start,
-        *keys.stride(), *weight.stride(), *out.stride(),
+        keys, weight, out, kv_start, length if length is not None else kv_start, scale,
+        *keys.stride(), *weight.stride(), *out.stride(), *scale.stride(),
         key_length, first_block, recent, out.shape[2],
         KV_HEADS=keys.shape[1], BLOCK_SIZE=block_size, ROWS=rows, HEAD_DIM=dim, D_PAD=d_pad,
-        HAS_GATE=gate_weight is not None, RECENT=length is not None, num_warps=4,
+        HAS_GATE=gate_weight is not None, RECENT=length is not None, QUANT=key_scale is not None,
+        ROUND=_ROUNDING.get(dtype, 0), num_warps=4,
     )
