@@ -92,8 +92,8 @@ def main() -> None:
                 model.set_attn_implementation("sdpa")
                 if method == "sdpa-static":
                     extra = {"cache_implementation": "static"}
-            graphs = model.__dict__.get("forward")
-            replays_before = getattr(graphs, "replays", 0)
+            stats = hf_sparse.graphs.stats(model)
+            replays_before = stats.replays if stats else 0
             with torch.no_grad():
                 # warm-up: compilation, autotuning (for sdpa-static: at this length, the compiled decode step)
                 timed_generate(model, ids[:, :4096] if method != "sdpa-static" else ids, 2 if method != "sdpa-static"
@@ -104,8 +104,8 @@ def main() -> None:
                                           for _ in range(args.repeats))
             peak = torch.cuda.max_memory_allocated() / 2**30
             results[method] = (ttft, (total - ttft) / (args.new_tokens - 1), peak)
-            graphs = model.__dict__.get("forward")
-            replays = getattr(graphs, "replays", 0) - replays_before
+            stats = hf_sparse.graphs.stats(model)
+            replays = (stats.replays if stats else 0) - replays_before
             print(f"{length} {method}: TTFT {ttft:.3f} s, total {total:.3f} s, peak {peak:.1f} GiB, "
                   f"CUDA-graph replays {replays}", file=sys.stderr, flush=True)
         densities = (float("nan"), float("nan"))

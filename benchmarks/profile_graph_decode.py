@@ -70,12 +70,13 @@ def main() -> None:
             cache = hf_sparse.SparseCache(model.config, max_cache_len=static)
             if static:
                 graphs.install(model)
+        before = graphs.stats(model).replays if graphs.stats(model) else 0
         prefill, times = run(model, cache, ids, args.steps)
-        wrapper = model.__dict__.get("forward")
+        stats = graphs.stats(model)
         steady = statistics.median(times[2:])
         results.setdefault(name, []).append((prefill, times[0], times[1], steady))
         print(f"{name:>11}: prefill {prefill:.3f} s, step1 {times[0] * 1e3:.1f} ms, step2 {times[1] * 1e3:.1f} ms, "
-              f"median of steps 3..{args.steps} {steady * 1e3:.2f} ms, replays {getattr(wrapper, 'replays', 0)}",
+              f"median of steps 3..{args.steps} {steady * 1e3:.2f} ms, replays {(stats.replays if stats else 0) - before}",
               flush=True)
         del cache
         torch.cuda.empty_cache()

@@ -3,15 +3,18 @@
 Eager decode is bound by the host: a 32-layer model launches hundreds of kernels per token from Python. Over a
 static :class:`~hf_sparse.SparseCache` the PLAS decode path reads every length on the device
 (:func:`hf_sparse.attention.static_decode`), so one captured forward is valid for every later step of the same
-sequence. :class:`DecodeGraphs` wraps a model's ``forward``: the first qualifying decode call runs eagerly (on
-the capture stream: kernels compile, per-stream buffers are made), the second is captured and replayed, and
-later ones copy their inputs into the captured buffers and replay. Any other call runs the model's forward
-unchanged. A new cache, a re-allocated or reordered one, or a new batch or step width captures again.
+sequence. :class:`DecodeGraphs` wraps a model's ``forward`` for the length of one ``generate()`` call
+(:func:`install` from the cache hook, :func:`uninstall` when generate() returns): the first qualifying decode call
+runs eagerly (on the capture stream: kernels compile, per-stream buffers are made), the second is captured and
+replayed, and later ones copy their inputs into the captured buffers and replay. Any other call runs the model's
+forward unchanged. A new cache, a re-allocated or reordered one, or a new batch or step width captures again.
+:func:`stats` tells what happened (replays, captures, and why graphs were turned off, if they were).
 """
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +29,30 @@ _ACCEPTED = {"input_ids", "position_ids", "attention_mask", "past_key_values", "
              "logits_to_keep", "cache_position", "output_attentions", "output_hidden_states"}
 
 
+#: Attribute of the model holding its :class:`GraphStats` (plain data: the model still copies and pickles).
+_STATS_ATTR = "_hf_sparse_graph_stats"
+
+
+@dataclass
+class GraphStats:
+    """Counts over a model's generate() calls: decode steps replayed, graphs captured, and the reason graphs were
+    turned off for this model (a failed capture), if any."""
+
+    replays: int = 0
+    captures: int = 0
+    disabled_reason: str | None = None
+
+
 class DecodeGraphs:
     """A model's ``forward`` whose decode calls over a static SparseCache run as CUDA-graph replays."""
 
-    def __init__(self, model: torch.nn.Module, forward: Any) -> None:
-        self._model = weakref.ref(model)
+    def __init__(self, model: torch.nn.Module, forward: Any, previous: Any, stats: GraphStats) -> None:
+        self._model = model
         self.forward = forward
+        self.previous = previous  # the instance attribute `forward` replaced (e.g. accelerate's hook), if any
+        self.stats = stats
         self.__wrapped__ = forward  # inspect.signature(model.forward) still sees the model's arguments
         self.__doc__ = getattr(forward, "__doc__", None)
-        self.disabled_reason: str | None = None
-        self.replays = 0
         self._stream: torch.cuda.Stream | None = None
         self._forget()
 
@@ -62,8 +79,8 @@ class DecodeGraphs:
             try:
                 self._capture(cache, kwargs)
             except Exception as error:  # noqa: BLE001 - any capture failure: decode eagerly from now on
-                self.disabled_reason = f"CUDA graph capture failed ({type(error).__name__}: {error})"
-                logger.warning("hf_sparse: %s; decoding eagerly", self.disabled_reason)
+                self.stats.disabled_reason = f"CUDA graph capture failed ({type(error).__name__}: {error})"
+                logger.warning("hf_sparse: %s; decoding eagerly", self.stats.disabled_reason)
                 self._forget()
                 return self.forward(**kwargs)
         return self._replay(cache, kwargs)
@@ -71,7 +88,7 @@ class DecodeGraphs:
     # -- which calls -------------------------------------------------------------------------------------
     def _graph_key(self, kwargs: dict[str, Any]) -> tuple | None:
         """What a captured graph is specific to, or None when this call must run eagerly."""
-        if self.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled() or not set(kwargs) <= _ACCEPTED:
+        if self.stats.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled() or not set(kwargs) <= _ACCEPTED:
             return None
         cache, input_ids, position_ids = kwargs.get("past_key_values"), kwargs.get("input_ids"), kwargs.get("position_ids")
         if not isinstance(cache, SparseCache) or not isinstance(input_ids, torch.Tensor) or position_ids is None:
@@ -80,8 +97,8 @@ class DecodeGraphs:
             return None
         if not input_ids.is_cuda or input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= DECODE_MAX_QUERY:
             return None
-        model = self._model()
-        if model is None or getattr(model.config, "_attn_implementation", None) != "plas":
+        model = self._model
+        if getattr(model.config, "_attn_implementation", None) != "plas":
             return None
         config = method_config(model.config, "plas")
         if not config.decode_cuda_graph or not cache.layers:
@@ -139,13 +156,14 @@ class DecodeGraphs:
         # Keep the output's buffers, not its cache: the cache must be freed when generate() lets it go.
         fields = {name: value for name, value in output.items() if name != "past_key_values"}
         self._graph, self._inputs, self._output = graph, inputs, (type(output), fields)
+        self.stats.captures += 1
 
     def _replay(self, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
         for name, buffer in self._inputs.items():
             buffer.copy_(kwargs[name])
         self._graph.replay()
         cache.advance_host_length(kwargs["input_ids"].shape[1])
-        self.replays += 1
+        self.stats.replays += 1
         output_type, fields = self._output
         fields = dict(fields, past_key_values=cache)
         fields["logits"] = fields["logits"].clone()  # the graph's buffer is overwritten by the next replay
@@ -153,16 +171,31 @@ class DecodeGraphs:
 
 
 def install(model: torch.nn.Module) -> DecodeGraphs:
-    """Wrap ``model.forward`` in :class:`DecodeGraphs` (once; an instance attribute, undone by :func:`uninstall`)."""
+    """Wrap ``model.forward`` in :class:`DecodeGraphs` (an instance attribute; once; undone by :func:`uninstall`)."""
     current = model.__dict__.get("forward")
     if isinstance(current, DecodeGraphs):
         return current
-    wrapper = DecodeGraphs(model, model.forward)
-    model.forward = wrapper
+    stats = model.__dict__.get(_STATS_ATTR)
+    if stats is None:
+        stats = GraphStats()
+        model.__dict__[_STATS_ATTR] = stats
+    wrapper = DecodeGraphs(model, model.forward, current, stats)
+    model.__dict__["forward"] = wrapper
     return wrapper
 
 
 def uninstall(model: torch.nn.Module) -> None:
-    """Restore the model's own ``forward``."""
-    if isinstance(model.__dict__.get("forward"), DecodeGraphs):
-        del model.forward
+    """Restore the ``forward`` :func:`install` replaced and free the captured graph."""
+    wrapper = model.__dict__.get("forward")
+    if not isinstance(wrapper, DecodeGraphs):
+        return
+    if wrapper.previous is None:
+        del model.__dict__["forward"]
+    else:
+        model.__dict__["forward"] = wrapper.previous
+    wrapper._forget()
+
+
+def stats(model: torch.nn.Module) -> GraphStats | None:
+    """What CUDA-graph decode did over ``model``'s generate() calls so far (None if it never applied)."""
+    return model.__dict__.get(_STATS_ATTR)

@@ -88,6 +88,14 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     return result
 
 
+def _generate(self, *args: Any, **kwargs: Any) -> Any:
+    """``generate()``, after which the CUDA-graph wrapper the cache hook may have installed is removed."""
+    try:
+        return _ORIGINAL["generate"](self, *args, **kwargs)
+    finally:
+        graphs.uninstall(self)
+
+
 def _from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
     """``from_pretrained``, then, for attn_implementation="plas", the gate file from the model's folder or repo."""
     result = _ORIGINAL["from_pretrained"](cls, *args, **kwargs)
@@ -110,8 +118,8 @@ def _save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> An
 
 
 def patch() -> None:
-    """Register our attention/mask functions and install the generate(), from_pretrained() and
-    save_pretrained() hooks (idempotent)."""
+    """Register our attention/mask functions and install the generate() (cache, CUDA-graph wrapper),
+    from_pretrained() and save_pretrained() hooks (idempotent)."""
     for name, function in ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(name, function)
     for name in METHODS + (_PROBE_NAME,):
@@ -119,6 +127,9 @@ def patch() -> None:
     if "prepare_cache" not in _ORIGINAL:
         _ORIGINAL["prepare_cache"] = GenerationMixin._prepare_cache_for_generation
         GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    if "generate" not in _ORIGINAL:
+        _ORIGINAL["generate"] = GenerationMixin.generate
+        GenerationMixin.generate = functools.wraps(_ORIGINAL["generate"])(_generate)
     if "from_pretrained" not in _ORIGINAL:
         _ORIGINAL["from_pretrained"] = PreTrainedModel.from_pretrained.__func__
         PreTrainedModel.from_pretrained = classmethod(_from_pretrained)
@@ -131,6 +142,8 @@ def unpatch() -> None:
     """Undo :func:`patch`'s hooks (registered names stay, as transformers cannot unregister)."""
     if "prepare_cache" in _ORIGINAL:
         GenerationMixin._prepare_cache_for_generation = _ORIGINAL.pop("prepare_cache")
+    if "generate" in _ORIGINAL:
+        GenerationMixin.generate = _ORIGINAL.pop("generate")
     if "from_pretrained" in _ORIGINAL:
         PreTrainedModel.from_pretrained = classmethod(_ORIGINAL.pop("from_pretrained"))
     if "save_pretrained" in _ORIGINAL:

@@ -155,6 +155,30 @@ def test_decode_select_and_attention_with_device_length(size, batch, q_heads, kv
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-4)
 
 
+def test_generate_with_static_cache_on_cpu_and_wrapper_lifetime():
+    """An explicit static SparseCache in generate() (PyTorch path here: no graphs) gives the dynamic cache's
+    tokens; the forward wrapper is removed when generate() returns (a hook's forward is restored) and the model
+    still deep-copies."""
+    import copy
+    import functools
+
+    model = build(tiny_config(layers=2), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, query_union=16))
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(ids, **kwargs)
+    hook = functools.partial(type(model).forward, model)  # what accelerate's hooks leave as `model.forward`
+    model.forward = hook
+    static = model.generate(ids, past_key_values=SparseCache(model.config, max_cache_len=70), **kwargs)
+    assert torch.equal(static, dynamic)
+    assert model.__dict__["forward"] is hook
+    stats = hf_sparse.graphs.stats(model)
+    assert stats is not None and stats.replays == 0 and stats.captures == 0  # CPU: every call eager
+    del model.forward
+    copy.deepcopy(model)
+
+
 def test_static_cache_validation_and_growth():
     with pytest.raises(ValueError, match="max_cache_len"):
         SparseCache(tiny_config(), max_cache_len=0)
@@ -239,7 +263,8 @@ def test_cuda_graph_decode_equals_eager_static_decode(dtype, kv_dtype):
                                  36)
     finally:
         hf_sparse.graphs.uninstall(model)
-    assert wrapper.disabled_reason is None and wrapper.replays == 35  # step 1 warms up, steps 2..36 replay
+    assert wrapper.stats.disabled_reason is None and wrapper.stats.replays == 35  # step 1 warms up, 2..36 replay
+    assert wrapper.stats.captures == 1 and "forward" not in model.__dict__
     torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
 
 
@@ -260,9 +285,10 @@ def test_generate_with_cuda_graphs_equals_eager(dtype):
         hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=graphs, **plas))
         runs[graphs] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
                                       pad_token_id=0)
-    wrapper = model.__dict__.get("forward")
-    assert isinstance(wrapper, hf_sparse.graphs.DecodeGraphs) and wrapper.disabled_reason is None
-    assert wrapper.replays >= 37  # steps 3.. of 39 decode steps replay (1 eager warm-up, 1 capture)
+    stats = hf_sparse.graphs.stats(model)
+    assert stats is not None and stats.disabled_reason is None and stats.captures == 1
+    assert stats.replays == 38  # decode steps 2..39 replay (step 1 warms up)
+    assert "forward" not in model.__dict__  # the wrapper lives for one generate() call
     # Under graphs the dense last layer runs the decode kernel over all blocks instead of sdpa: on this random
     # model's near-tied logits a late token may flip, after which the two continuations differ.
     new = slice(ids.shape[1], None)
