@@ -155,6 +155,22 @@ def test_decode_select_and_attention_with_device_length(size, batch, q_heads, kv
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_generate_with_static_cache_equals_dynamic(num_beams):
+    """generate() over an explicit static cache, greedy and beam search (the cache is expanded and reordered),
+    left-padded: the dynamic cache's tokens. On the Triton path decode reads its lengths on the device."""
+    model = build(tiny_config(layers=2), "plas").to(DEVICE)
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, query_union=16, decode_cuda_graph=False))
+    ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, num_beams=num_beams)
+    dynamic = model.generate(ids, **kwargs)
+    static = model.generate(ids, past_key_values=SparseCache(model.config, max_cache_len=60), **kwargs)
+    assert torch.equal(static, dynamic)
+
+
 def test_generate_with_static_cache_on_cpu_and_wrapper_lifetime():
     """An explicit static SparseCache in generate() (PyTorch path here: no graphs) gives the dynamic cache's
     tokens; the forward wrapper is removed when generate() returns (a hook's forward is restored) and the model
@@ -214,14 +230,15 @@ def decode_logits(model, cache, ids, mask, steps):
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_static_cache_decode_equals_dynamic(monkeypatch, kv_dtype):
+@pytest.mark.parametrize("kv_dtype, logn", [("auto", False), ("int8", False), ("auto", True)])
+def test_static_cache_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
     """Left-padded batch, decode across block boundaries: a static cache gives the dynamic cache's logits (float
     or int8 K/V). On the Triton path (interpreter or CUDA) decode reads its lengths on the device (and the dense
     last layer runs the decode kernel over all blocks); on the PyTorch path it is the dynamic path exactly."""
     model = build(tiny_config(layers=3), "plas").to(DEVICE)
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
-                                                    dense_below=0, query_union=16))
+                                                    dense_below=0, query_union=16, logn_scaling=logn,
+                                                    logn_base=32 if logn else None))
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
     mask = torch.ones_like(ids)
