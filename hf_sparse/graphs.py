@@ -88,9 +88,11 @@ class DecodeGraphs:
     # -- which calls -------------------------------------------------------------------------------------
     def _graph_key(self, kwargs: dict[str, Any]) -> tuple | None:
         """What a captured graph is specific to, or None when this call must run eagerly."""
-        if self.stats.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled() or not set(kwargs) <= _ACCEPTED:
+        if (self.stats.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled()
+                or not set(kwargs) <= _ACCEPTED):
             return None
-        cache, input_ids, position_ids = kwargs.get("past_key_values"), kwargs.get("input_ids"), kwargs.get("position_ids")
+        cache, input_ids = kwargs.get("past_key_values"), kwargs.get("input_ids")
+        position_ids = kwargs.get("position_ids")
         if not isinstance(cache, SparseCache) or not isinstance(input_ids, torch.Tensor) or position_ids is None:
             return None
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
