@@ -219,10 +219,11 @@ def _falls_back_by_density(query: torch.Tensor) -> bool:
 
 
 def static_decode(method: str, phase: str, cache_layer: Any, config: Any, query: torch.Tensor) -> bool:
-    """Whether a call reads the key length on the device: PLAS decode over a static
-    :class:`~hf_sparse.SparseCache` layer (float or int8 K/V) on the Triton path. Such a call reads nothing back
-    to the host and depends on no host length, so it replays correctly under a CUDA graph."""
-    return (method == "plas" and phase == "decode" and cache_layer is not None
+    """Whether a call reads the key length on the device: PLAS or XAttention decode over a static
+    :class:`~hf_sparse.SparseCache` layer (float or int8 K/V) on the Triton path. Such a call depends on no host
+    length, so it replays correctly under a CUDA graph (PLAS reads nothing back to the host; XAttention's
+    selection is device-side torch ops plus the threshold kernel)."""
+    return (method in ("plas", "xattn") and phase == "decode" and cache_layer is not None
             and getattr(cache_layer, "static", False)
             and cache_layer.kv_start is not None and cache_layer.block_size == config.block_size
             and kernels.backend_for(query) == "triton")

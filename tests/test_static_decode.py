@@ -230,15 +230,19 @@ def decode_logits(model, cache, ids, mask, steps):
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("kv_dtype, logn", [("auto", False), ("int8", False), ("auto", True)])
-def test_static_cache_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
+@pytest.mark.parametrize("method, kv_dtype, logn", [("plas", "auto", False), ("plas", "int8", False),
+                                                    ("plas", "auto", True), ("xattn", "auto", False)])
+def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn):
     """Left-padded batch, decode across block boundaries: a static cache gives the dynamic cache's logits (float
     or int8 K/V). On the Triton path (interpreter or CUDA) decode reads its lengths on the device (and the dense
     last layer runs the decode kernel over all blocks); on the PyTorch path it is the dynamic path exactly."""
     model = build(tiny_config(layers=3), "plas").to(DEVICE)
-    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
-                                                    dense_below=0, query_union=16, logn_scaling=logn,
-                                                    logn_base=32 if logn else None))
+    if method == "plas":
+        config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
+                                      query_union=16, logn_scaling=logn, logn_base=32 if logn else None)
+    else:
+        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0)
+    hf_sparse.configure(model, config)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
     mask = torch.ones_like(ids)

@@ -77,9 +77,11 @@ def block_summaries(
 
 
 def block_availability(
-    num_queries: int, num_blocks: int, q_offset: int, kv_start: torch.Tensor, block_size: int, key_length: int
+    num_queries: int, num_blocks: int, q_offset: int | torch.Tensor, kv_start: torch.Tensor, block_size: int,
+    key_length: int | torch.Tensor,
 ) -> torch.Tensor:
-    """Boolean ``[B, Sq, num_blocks]``: the row block starts at or before the query's slot (and exists)."""
+    """Boolean ``[B, Sq, num_blocks]``: the row block starts at or before the query's slot (and exists).
+    ``q_offset`` / ``key_length`` may be one-element tensors on ``kv_start``'s device (no host read)."""
     device = kv_start.device
     q_slot = q_offset + torch.arange(num_queries, device=device)
     block_first = kv_start[:, None] + torch.arange(num_blocks, device=device)[None, :] * block_size  # [B, nb]

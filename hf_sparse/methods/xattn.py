@@ -54,14 +54,19 @@ class XAttnMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
     ) -> BlockSelection:
+        """``length``: the key length as a one-element device tensor (``key`` and ``summaries`` a static cache's
+        whole storage); every step then has the same shapes and reads nothing back to the host."""
         config = self.config
         batch, q_heads, num_queries, _ = query.shape
         kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
         kv_start = kv_start.to(query.device)
+        key_length = key.shape[2] if length is None else length
+        if length is not None:
+            q_offset = length - num_queries  # a device tensor: the slots below broadcast over it
         available = reference.block_availability(
-            num_queries, num_blocks, q_offset, kv_start, config.block_size, key.shape[2]
+            num_queries, num_blocks, q_offset, kv_start, config.block_size, key_length
         )  # [B, Sq, nb]
         probs = reference.block_scores(query, summaries, scale, available)
         block_ids = torch.arange(num_blocks, device=query.device)
