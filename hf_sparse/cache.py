@@ -20,6 +20,15 @@ def _quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
 
 
+def _check_max_cache_len(max_cache_len: int | None) -> int | None:
+    """``max_cache_len`` as an int (None stays None: a dynamic cache); raises unless positive."""
+    if max_cache_len is None:
+        return None
+    if int(max_cache_len) < 1:
+        raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+    return int(max_cache_len)
+
+
 class SparseCacheLayer(CacheLayerMixin):
     """One layer's KV in preallocated storage ``[B, H, capacity, D]`` grown by whole chunks, and float32
     block summaries ``[B, H, capacity // block_size, D]`` computed once per full block.
@@ -46,9 +55,7 @@ class SparseCacheLayer(CacheLayerMixin):
         super().__init__()
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
-        if max_cache_len is not None and int(max_cache_len) < 1:
-            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
-        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        self.max_cache_len = _check_max_cache_len(max_cache_len)
         self.device_length: torch.Tensor | None = None
         self.version = 0
         self.kv_dtype = kv_dtype
@@ -297,9 +304,8 @@ class SparseCache(Cache):
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.block_size = block_size
         self.kv_dtype = kv_dtype
-        if max_cache_len is not None and int(max_cache_len) < 1:
-            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
-        self.static_length = max_cache_len  # (transformers 5.17's Cache has a read-only `max_cache_len`)
+        # (not `max_cache_len`: transformers 5.17's Cache has a read-only property of that name)
+        self.static_length = _check_max_cache_len(max_cache_len)
         num_layers = None
         if config is not None:
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -98,10 +98,7 @@ def block_summaries(
     batch, heads, length, dim = keys.shape
     if kv_start.shape != (batch,) or kv_start.is_floating_point():
         raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
-    if gate_weight is not None and tuple(gate_weight.shape) != (heads, block_size, dim):
-        raise ValueError(
-            f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
-        )
+    _check_gate(gate_weight, keys, block_size)
     if block_size < 1 or first_block < 0:
         raise ValueError(f"block_size must be >= 1 and first_block >= 0, got {block_size}, {first_block}")
     kv_start = kv_start.to(keys.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
@@ -140,10 +137,7 @@ def recent_block_summaries(
         raise ValueError(f"recent must be in [1, block_size={block_size}], got {recent}")
     if out.dtype != torch.float32 or tuple(out.shape[:2]) != (batch, heads) or out.shape[3] != dim:
         raise ValueError(f"out must be float32 [{batch}, {heads}, n, {dim}], got {tuple(out.shape)} {out.dtype}")
-    if gate_weight is not None and tuple(gate_weight.shape) != (heads, block_size, dim):
-        raise ValueError(
-            f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
-        )
+    _check_gate(gate_weight, keys, block_size)
     # `recent` <= block_size slots span at most two blocks of a row.
     if (keys.dtype == torch.int8) != (key_scale is not None):
         raise ValueError("int8 keys need their key_scale (and only int8 keys take one)")
@@ -159,11 +153,20 @@ def recent_block_summaries(
 _ROUNDING = {torch.float16: 1, torch.bfloat16: 2}
 
 
+def _check_gate(gate_weight: torch.Tensor | None, keys: torch.Tensor, block_size: int) -> None:
+    """Raise unless the gate weight (if any) is [kv_heads, block_size, head_dim] for these keys."""
+    heads, dim = keys.shape[1], keys.shape[3]
+    if gate_weight is not None and tuple(gate_weight.shape) != (heads, block_size, dim):
+        raise ValueError(
+            f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
+        )
+
+
 def _launch(keys, gate_weight, kv_start, block_size, out, grid, key_length, first_block, length=None, recent=0,
             key_scale=None, dtype=None):
+    dim = keys.shape[3]
     weight = gate_weight if gate_weight is not None else keys.new_empty(1, 1, 1)
     scale = key_scale if key_scale is not None else out.new_empty(1, 1, 1)
-    dim = keys.shape[3]
     d_pad = max(16, next_power_of_2(dim))
     rows = max(1, min(next_power_of_2(block_size), 8192 // d_pad))
     if block_size % rows:
