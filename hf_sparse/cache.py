@@ -179,10 +179,10 @@ class SparseCacheLayer(CacheLayerMixin):
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
         if full_blocks > self.summarized_blocks:
-            self._summarize(gate_weight, kv_start, self.summarized_blocks, full_blocks, least_pad)
+            self._summarize(gate_weight, kv_start, self.summarized_blocks, full_blocks)
             self.summarized_blocks = full_blocks
         if total_blocks > full_blocks:
-            self._summarize(gate_weight, kv_start, full_blocks, total_blocks, least_pad)
+            self._summarize(gate_weight, kv_start, full_blocks, total_blocks)
         return self.summary_storage[:, :, :total_blocks]
 
     def set_padding(self, kv_start: torch.Tensor) -> None:
@@ -200,22 +200,13 @@ class SparseCacheLayer(CacheLayerMixin):
                                               self.device_length, recent, self.summary_storage,
                                               key_scale=self.key_scale_storage, dtype=self.dtype)
 
-    def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor,
-                   first: int, end: int, least_pad: int) -> None:
-        """Write the summaries of row blocks ``[first, end)`` into the storage; int8 storage dequantises only
-        the slots they cover (from the least padded row's first one), in the dtype the model computes in."""
-        keys = self.key_storage[:, :, : self.length]
-        count, target = end - first, self.summary_storage[:, :, first:end]
-        if not self.quantized:
-            kernels.block_summaries(keys, gate_weight, kv_start, self.block_size, first, count, out=target)
-            return
-        low = least_pad + first * self.block_size
-        high = min(self.length, self._padding_range[1] + (first + count) * self.block_size)
-        window = (keys[:, :, low:high].float() * self.key_scale_storage[:, :, low:high, None]).to(self.dtype)
-        # Row b's block first + j starts at kv_start[b] + (first + j) * block_size, i.e. window slot
-        # (kv_start[b] - low + first * block_size) + j * block_size: the window's own block j.
-        kernels.block_summaries(window, gate_weight, kv_start - low + first * self.block_size, self.block_size, 0,
-                                count, out=target)
+    def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor, first: int, end: int) -> None:
+        """Write the summaries of row blocks ``[first, end)`` into the storage (int8 keys dequantised to the
+        dtype the model computes in)."""
+        kernels.block_summaries(self.key_storage[:, :, : self.length], gate_weight, kv_start, self.block_size, first,
+                                end - first, out=self.summary_storage[:, :, first:end],
+                                key_scale=self.key_scale_storage[:, :, : self.length] if self.quantized else None,
+                                dtype=self.dtype)
 
     # -- Cache protocol -----------------------------------------------------------------------------------
     def get_seq_length(self) -> int:

@@ -84,6 +84,25 @@ def test_recent_block_summaries(size, batch, heads, dim, dtype, gated, recent):
                                msg="wrote summaries of blocks past the length")
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("first, count", [(0, None), (2, 3)])
+def test_block_summaries_int8(monkeypatch, backend, first, count):
+    """Whole-range summaries of int8 keys (prefill, dynamic caches): those of the keys dequantised and rounded to
+    the model's dtype, on either path (Triton: in the kernel; PyTorch: only the blocks' slots dequantised)."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    gen = torch.Generator().manual_seed(seed("int8-prefill", first, count))
+    batch, heads, length, dim, block = 3, 2, 100, 64, 16
+    keys = torch.randn(batch, heads, length, dim, generator=gen).to(DEVICE)
+    quantized, scales = ref.quantize_per_token(keys)
+    kv_start = torch.tensor([0, 7, 21], device=DEVICE)
+    gate = torch.randn(heads, block, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    dequantized = ref.dequantize_per_token(quantized, scales).to(torch.bfloat16)
+    expected = ref.block_summaries(dequantized, gate, kv_start, block, first, count)
+    out = kernels.block_summaries(quantized, gate, kv_start, block, first, count, key_scale=scales,
+                                  dtype=torch.bfloat16)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
 @needs_triton
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("dtype, gated", [("bf16", True), ("fp16", False)])
@@ -262,22 +281,31 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
         assert torch.equal(static, dynamic)
 
 
+def graph_config(method: str, **fields):
+    """A small-block PLAS or XAttention config for the CUDA-graph tests."""
+    if method == "plas":
+        return hf_sparse.PLASConfig(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), dense_below=0,
+                                    query_union=32, **fields)
+    return hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0,
+                                 **fields)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                             (torch.bfloat16, "int8")])
-def test_cuda_graph_decode_equals_eager_static_decode(dtype, kv_dtype):
+@pytest.mark.parametrize("method, dtype, kv_dtype", [("plas", torch.float32, "auto"), ("plas", torch.bfloat16, "auto"),
+                                                     ("plas", torch.bfloat16, "int8"), ("xattn", torch.float32, "auto"),
+                                                     ("xattn", torch.bfloat16, "int8")])
+def test_cuda_graph_decode_equals_eager_static_decode(method, dtype, kv_dtype):
     """Decode steps replayed from a captured graph give the logits of the same steps run eagerly (same kernels,
     lengths read on the device), across block boundaries, with a left-padded batch."""
     model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "plas").to("cuda", dtype)
-    plas = dict(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), dense_below=0, query_union=32)
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 128, (2, 300), generator=gen).cuda()
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
-    hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=False, **plas))
+    hf_sparse.configure(model, graph_config(method, decode_cuda_graph=False))
     eager = decode_logits(model, SparseCache(model.config, max_cache_len=340, kv_dtype=kv_dtype), ids, mask, 36)
-    hf_sparse.configure(model, hf_sparse.PLASConfig(**plas))
+    hf_sparse.configure(model, graph_config(method))
     wrapper = hf_sparse.graphs.install(model)
     try:
         replayed = decode_logits(model, SparseCache(model.config, max_cache_len=340, kv_dtype=kv_dtype), ids, mask,
@@ -291,19 +319,19 @@ def test_cuda_graph_decode_equals_eager_static_decode(dtype, kv_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_with_cuda_graphs_equals_eager(dtype):
+@pytest.mark.parametrize("method, dtype, kv_dtype", [("plas", torch.float32, "auto"), ("plas", torch.bfloat16, "auto"),
+                                                     ("plas", torch.bfloat16, "int8"), ("xattn", torch.bfloat16, "auto")])
+def test_generate_with_cuda_graphs_equals_eager(method, dtype, kv_dtype):
     """generate() on CUDA decodes through CUDA-graph replays, with the tokens of eager decode."""
     config = tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3)
     model = build(config, "plas").to("cuda", dtype)
-    plas = dict(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), dense_below=0, query_union=32)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128, (2, 300), generator=gen).cuda()
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
     runs = {}
     for graphs in (False, True):
-        hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=graphs, **plas))
+        hf_sparse.configure(model, graph_config(method, decode_cuda_graph=graphs, kv_cache_dtype=kv_dtype))
         runs[graphs] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
                                       pad_token_id=0)
     stats = hf_sparse.graphs.stats(model)

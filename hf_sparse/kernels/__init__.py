@@ -59,12 +59,15 @@ def _triton_ops_present() -> bool:
     return _TRITON_OPS is not None
 
 
-def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None, *, out=None):
+def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None, *, out=None,
+                    key_scale=None, dtype=None):
     """See :func:`reference.block_summaries`; ``out`` (float32, the result's shape, any strides) receives the
-    result in place when given."""
+    result in place when given. int8 ``keys`` come with their per-token ``key_scale`` and are dequantised to
+    ``dtype`` (in registers on Triton; the PyTorch path dequantises only the slots the blocks cover)."""
     if backend_for(keys) == "triton":
-        return _TRITON_OPS[0].block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks, out=out)
-    result = reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
+        return _TRITON_OPS[0].block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks,
+                                              out=out, key_scale=key_scale, dtype=dtype)
+    result = _reference_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks, key_scale, dtype)
     return result if out is None else out.copy_(result)
 
 
@@ -78,12 +81,28 @@ def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, rece
                                                      key_scale=key_scale, dtype=dtype)
     valid = int(length)
     keys = keys[:, :, :valid]
-    if key_scale is not None:
-        keys = reference.dequantize_per_token(keys, key_scale[:, :, :valid]).to(dtype)
+    key_scale = key_scale[:, :, :valid] if key_scale is not None else None
     first = max(0, valid - recent - int(kv_start.max())) // block_size
-    blocks = reference.block_summaries(keys, gate_weight, kv_start, block_size, first)
+    blocks = _reference_summaries(keys, gate_weight, kv_start, block_size, first, None, key_scale, dtype)
     out[:, :, first:first + blocks.shape[2]] = blocks
     return out
+
+
+def _reference_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks, key_scale, dtype):
+    """:func:`reference.block_summaries`, int8 keys dequantised over the slots of the blocks only (from the least
+    padded row's first one to the most padded row's last)."""
+    if key_scale is None:
+        return reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
+    length = keys.shape[2]
+    kv_start = kv_start.to(keys.device)
+    if num_blocks is None:
+        num_blocks = reference.num_row_blocks(length, kv_start, block_size) - first_block
+    low = min(length, int(kv_start.min()) + first_block * block_size)
+    high = min(length, int(kv_start.max()) + (first_block + num_blocks) * block_size)
+    window = reference.dequantize_per_token(keys[:, :, low:high], key_scale[:, :, low:high]).to(dtype)
+    # Row b's block first_block + j starts at window slot kv_start[b] - low + (first_block + j) * block_size.
+    return reference.block_summaries(window, gate_weight, kv_start - low + first_block * block_size, block_size, 0,
+                                     num_blocks)
 
 
 def _host_length(kwargs: dict, num_queries: int) -> dict:

@@ -87,18 +87,23 @@ def block_summaries(
     num_blocks: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`hf_sparse.kernels.reference.block_summaries`: float32 ``[B, Hkv, n, D]``.
 
     ``keys`` is ``[B, Hkv, Skv, D]`` with any strides; ``out`` (float32, that shape, any strides) is written in
     place when given. Without ``num_blocks`` the count is read from ``kv_start`` (one device-to-host copy).
+    int8 ``keys`` come with their float32 per-token ``key_scale`` ``[B, Hkv, Skv]`` and the ``dtype`` the
+    dequantised keys are rounded to (dequantised in registers: no copy).
     """
-    if keys.dim() != 4 or not keys.is_floating_point():
-        raise ValueError(f"keys must be a floating [B, Hkv, Skv, D] tensor, got {tuple(keys.shape)} {keys.dtype}")
+    if keys.dim() != 4 or not (keys.is_floating_point() or keys.dtype == torch.int8):
+        raise ValueError(f"keys must be a floating or int8 [B, Hkv, Skv, D] tensor, got {tuple(keys.shape)} {keys.dtype}")
     batch, heads, length, dim = keys.shape
     if kv_start.shape != (batch,) or kv_start.is_floating_point():
         raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
     _check_gate(gate_weight, keys, block_size)
+    _check_scale(keys, key_scale, dtype)
     if block_size < 1 or first_block < 0:
         raise ValueError(f"block_size must be >= 1 and first_block >= 0, got {block_size}, {first_block}")
     kv_start = kv_start.to(keys.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
@@ -111,7 +116,8 @@ def block_summaries(
         raise ValueError(f"out must be float32 {(batch, heads, num_blocks, dim)}, got {tuple(out.shape)} {out.dtype}")
     if num_blocks == 0 or batch * heads == 0:
         return out
-    _launch(keys, gate_weight, kv_start, block_size, out, (batch * heads, num_blocks), length, first_block)
+    _launch(keys, gate_weight, kv_start, block_size, out, (batch * heads, num_blocks), length, first_block,
+            key_scale=key_scale, dtype=dtype)
     return out
 
 
@@ -138,13 +144,8 @@ def recent_block_summaries(
     if out.dtype != torch.float32 or tuple(out.shape[:2]) != (batch, heads) or out.shape[3] != dim:
         raise ValueError(f"out must be float32 [{batch}, {heads}, n, {dim}], got {tuple(out.shape)} {out.dtype}")
     _check_gate(gate_weight, keys, block_size)
+    _check_scale(keys, key_scale, dtype)
     # `recent` <= block_size slots span at most two blocks of a row.
-    if (keys.dtype == torch.int8) != (key_scale is not None):
-        raise ValueError("int8 keys need their key_scale (and only int8 keys take one)")
-    if key_scale is not None:
-        check_token_scale("key_scale", key_scale, keys)
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"int8 keys need the dtype they dequantise to (float16/bfloat16/float32), got {dtype}")
     _launch(keys, gate_weight, kv_start.to(keys.device), block_size, out, (batch * heads, 2), 0, 0,
             check_length(length, keys.device), recent, key_scale, dtype)
     return out
@@ -160,6 +161,16 @@ def _check_gate(gate_weight: torch.Tensor | None, keys: torch.Tensor, block_size
         raise ValueError(
             f"gate weight shape {tuple(gate_weight.shape)} != [kv_heads={heads}, block_size={block_size}, head_dim={dim}]"
         )
+
+
+def _check_scale(keys: torch.Tensor, key_scale: torch.Tensor | None, dtype: torch.dtype | None) -> None:
+    """Raise unless int8 keys come with their per-token scale and a dequantisation dtype (and only they do)."""
+    if (keys.dtype == torch.int8) != (key_scale is not None):
+        raise ValueError("int8 keys need their key_scale (and only int8 keys take one)")
+    if key_scale is not None:
+        check_token_scale("key_scale", key_scale, keys)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"int8 keys need the dtype they dequantise to (float16/bfloat16/float32), got {dtype}")
 
 
 def _launch(keys, gate_weight, kv_start, block_size, out, grid, key_length, first_block, length=None, recent=0,

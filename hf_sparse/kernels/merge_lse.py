@@ -14,6 +14,33 @@ from ._common import next_power_of_2
 
 
 @triton.jit
+def _merge_parts(lse_ptrs, part_ptrs, stride_lse_n, stride_part_n, num_parts, row_ok, d_ok,
+                 ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """Merge ``num_parts`` partial results of ``ROWS`` rows: ``lse_ptrs`` ``[ROWS]`` and ``part_ptrs``
+    ``[ROWS, D_PAD]`` point at part 0 (part n is ``stride_*_n`` further). Returns the float32 merged output
+    ``[ROWS, D_PAD]`` and lse ``[ROWS]``; a row with no part seen is zero with lse -inf. Loads bypass L1
+    (``.cg``), so parts other programs of the same launch wrote are read correctly."""
+    top = tl.full([ROWS], float("-inf"), tl.float32)
+    for n in range(0, num_parts):
+        top = tl.maximum(top, tl.load(lse_ptrs + n * stride_lse_n, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    for n in range(0, num_parts):
+        weight = tl.exp(tl.load(lse_ptrs + n * stride_lse_n, mask=row_ok, other=float("-inf"),
+                                cache_modifier=".cg") - top_safe)
+        part = tl.load(part_ptrs + n * stride_part_n, mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                       cache_modifier=".cg")
+        acc += weight[:, None] * part.to(tl.float32)
+        total += weight
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    merged = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    return out, merged
+
+
+@triton.jit
 def _merge_lse_kernel(
     PARTS, PART_LSE, OUT, OUT_LSE, SKIP,
     stride_pn, stride_p0, stride_p1, stride_p2, stride_pd,
@@ -34,26 +61,11 @@ def _merge_lse_kernel(
     d_ok = offs_d < HEAD_DIM
     lse_rows = PART_LSE + i0 * stride_l0 + i1 * stride_l1 + i2 * stride_l2
     part_rows = PARTS + i0 * stride_p0 + i1 * stride_p1 + i2 * stride_p2
-
-    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for n in range(0, num_parts):
-        top = tl.maximum(top, tl.load(lse_rows + n * stride_ln, mask=row_ok, other=float("-inf")))
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
-    for n in range(0, num_parts):
-        weight = tl.exp(tl.load(lse_rows + n * stride_ln, mask=row_ok, other=float("-inf")) - top_safe)
-        part = tl.load(part_rows[:, None] + n * stride_pn + offs_d[None, :] * stride_pd,
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc += weight[:, None] * part
-        total += weight
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    merged = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    out, merged = _merge_parts(lse_rows, part_rows[:, None] + offs_d[None, :] * stride_pd, stride_ln, stride_pn,
+                               num_parts, row_ok, d_ok, BLOCK_R, D_PAD)
     tl.store(OUT + i0[:, None] * stride_o0 + i1[:, None] * stride_o1 + i2[:, None] * stride_o2 + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(OUT_LSE + i0 * stride_m0 + i1 * stride_m1 + i2 * stride_m2, merged, mask=row_ok)
-
 
 
 def _row_view(tensor: torch.Tensor, keep_front: int, keep_back: int, writable: bool = False) -> torch.Tensor:

@@ -20,7 +20,6 @@ smallest power-of-two block width ``NB_PAD``: early tiles of a long prefill do n
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import triton
@@ -28,7 +27,7 @@ import triton.language as tl
 
 from ..selection import BlockSelection
 from . import reference
-from ._common import alibi_args, check_length, next_power_of_2, ticket_counters
+from ._common import alibi_args, check_length, interpreting, next_power_of_2, ticket_counters
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,29 @@ def _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE: 
     centre = (kv_start + blocks * BLOCK_SIZE).to(tl.float32) + (BLOCK_SIZE - 1) * 0.5
     slot = q_slot.to(tl.float32)[:, None]
     return slope[:, None] * (tl.minimum(centre[None, :], slot) - slot)
+
+
+@triton.jit
+def _block_logits(q_rows, s_cols, stride_qd, stride_sd, real, readable, row_last, scale, SLOPES, head, q_slot,
+                  kv_start, blocks, BLOCK_Q: tl.constexpr, NB: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  PRECISION: tl.constexpr, ALIBI: tl.constexpr):
+    """Scaled logits ``q . Kc`` ``[BLOCK_Q, NB]`` of query rows (``q_rows``: pointers to each row's query,
+    ``real`` rows only) against the summaries of ``blocks`` (``s_cols``: pointers to each block's summary, read
+    where ``readable``), K-looped over the head dim; with ALIBI plus the bias at each block's centre; -inf past
+    each row's last visible block ``row_last``."""
+    logits = tl.zeros([BLOCK_Q, NB], tl.float32)
+    for d0 in range(0, D_PAD, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
+                    other=0.0)
+        s = tl.load(s_cols[None, :] + offs_d[:, None] * stride_sd, mask=readable[None, :] & (offs_d[:, None] < HEAD_DIM),
+                    other=0.0)
+        logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
+    logits = logits * scale
+    if ALIBI:  # before the row maximum: the threshold search runs on the biased logits
+        logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
+    return tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
 
 
 @triton.jit
@@ -145,19 +167,10 @@ def _select_blocks_kernel(
         row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
 
         # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
-        chunk_last = tl.max(row_last, 0)
-        logits = tl.zeros([BLOCK_Q, NB_PAD], tl.float32)
-        for d0 in range(0, D_PAD, D_CHUNK):
-            offs_d = d0 + tl.arange(0, D_CHUNK)
-            q = tl.load(q_base + head[:, None].to(tl.int64) * stride_qh + query[:, None].to(tl.int64) * stride_qs
-                        + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            s = tl.load(s_base + blocks[None, :] * stride_sn + offs_d[:, None] * stride_sd,
-                        mask=(blocks[None, :] <= chunk_last) & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-        logits = logits * scale
-        if ALIBI:  # before the row maximum: the threshold search runs on the biased logits
-            logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
-        logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
+        logits = _block_logits(
+            q_base + head.to(tl.int64) * stride_qh + query.to(tl.int64) * stride_qs, s_base + blocks * stride_sn,
+            stride_qd, stride_sd, real, blocks <= tl.max(row_last, 0), row_last, scale, SLOPES, head, q_slot, kv_start,
+            blocks, BLOCK_Q, NB_PAD, BLOCK_SIZE, HEAD_DIM, D_PAD, D_CHUNK, DOT_DTYPE, PRECISION, ALIBI)
         chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
@@ -209,19 +222,11 @@ def _decode_select_kernel(
     q_slot = q_offset + query
     own_block = (q_slot - kv_start) // BLOCK_SIZE
     row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
-    logits = tl.zeros([BLOCK_Q, NB_CHUNK], tl.float32)
-    for d0 in range(0, D_PAD, D_CHUNK):
-        offs_d = d0 + tl.arange(0, D_CHUNK)
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh + query[:, None] * stride_qs
-                    + offs_d[None, :] * stride_qd, mask=real[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        s = tl.load(S + b.to(tl.int64) * stride_sb + kv_head * stride_sh + blocks[None, :] * stride_sn
-                    + offs_d[:, None] * stride_sd, mask=(blocks[None, :] <= last_block) & (offs_d[:, None] < HEAD_DIM),
-                    other=0.0)
-        logits = tl.dot(q.to(DOT_DTYPE), s.to(DOT_DTYPE), logits, input_precision=PRECISION)
-    logits = logits * scale
-    if ALIBI:
-        logits += _alibi_block_bias(SLOPES, head, real, q_slot, kv_start, blocks, BLOCK_SIZE)
-    logits = tl.where(blocks[None, :] <= row_last[:, None], logits, float("-inf"))
+    logits = _block_logits(
+        Q + b.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + query * stride_qs,
+        S + b.to(tl.int64) * stride_sb + kv_head * stride_sh + blocks * stride_sn, stride_qd, stride_sd, real,
+        blocks <= last_block, row_last, scale, SLOPES, head, q_slot, kv_start, blocks, BLOCK_Q, NB_CHUNK, BLOCK_SIZE,
+        HEAD_DIM, D_PAD, D_CHUNK, DOT_DTYPE, PRECISION, ALIBI)
     row_logits = LOGITS + (row_id * BLOCK_Q + rows[:, None]).to(tl.int64) * NB_PAD
     tl.store(row_logits + blocks[None, :], logits)
 
@@ -235,10 +240,6 @@ def _decode_select_kernel(
                          INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih, stride_ik,
                          COUNTS + b * stride_cb + sel_head * stride_ch, num_blocks, NB_PAD)
         tl.store(TICKETS + row_id, 0)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _bands(num_tiles: int, query_tile: int, q_offset: int, block_size: int, num_blocks: int) -> list[tuple[int, int, int]]:
@@ -341,7 +342,7 @@ def select_blocks(
         counts.zero_()
         return selection
 
-    interpret = _interpreting()
+    interpret = interpreting()
     if interpret:
         dot_dtype, precision, elem = tl.float32, "ieee", 4
     elif query.dtype == torch.float32:

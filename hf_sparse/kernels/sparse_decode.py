@@ -6,7 +6,7 @@ per KV head) and every query, packed as the rows of one tile, so each selected K
 the group. When few (batch, row) pairs would leave the GPU idle, the row's selected blocks are split evenly
 (from the count, on the device: no host sync) over ``splits`` programs that write partial results; the last
 of them to finish (a ticket counter per program row, reset by it) merges the partials by log-sum-exp in the
-same launch (the merge of :mod:`.merge_lse`, without a second launch).
+same launch (:mod:`.merge_lse`'s merge, without a second launch).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from triton.runtime.errors import OutOfResources
 from ..selection import BlockSelection
 from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
                       ticket_counters, wide_offsets)
+from .merge_lse import _merge_parts
 from .sparse_prefill import _attend_entries, _finish
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
@@ -122,29 +123,14 @@ def _sparse_decode_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(TICKETS + pid, 1, sem="acq_rel")
         if ticket == splits - 1:
-            part_rows = b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + query[:, None] * stride_os \
-                + offs_dv[None, :] * stride_od
-            lse_rows = b64 * stride_lb + head * stride_lh + query * stride_ls
-            top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for n in range(0, splits):
-                top = tl.maximum(top, tl.load(LSE + n * stride_ln + lse_rows, mask=head_ok, other=float("-inf"),
-                                              cache_modifier=".cg"))
-            top_safe = tl.where(top == float("-inf"), 0.0, top)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-            for n in range(0, splits):
-                weight = tl.exp(tl.load(LSE + n * stride_ln + lse_rows, mask=head_ok, other=float("-inf"),
-                                        cache_modifier=".cg") - top_safe)
-                part = tl.load(OUT + n * stride_on + part_rows, mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-                               other=0.0, cache_modifier=".cg")
-                merged += weight[:, None] * part.to(tl.float32)
-                total += weight
-            seen = total > 0.0
-            merged = merged / tl.where(seen, total, 1.0)[:, None]
-            merged_lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+            dv_ok = offs_dv < HEAD_DIM_V
+            merged, merged_lse = _merge_parts(
+                LSE + b64 * stride_lb + head * stride_lh + query * stride_ls,
+                OUT + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + query[:, None] * stride_os
+                + offs_dv[None, :] * stride_od, stride_ln, stride_on, splits, head_ok, dv_ok, BLOCK_M, DV_PAD)
             tl.store(FINAL + b64 * stride_fb + head[:, None].to(tl.int64) * stride_fh + query[:, None] * stride_fs
                      + offs_dv[None, :] * stride_fd, merged.to(FINAL.dtype.element_ty),
-                     mask=head_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+                     mask=head_ok[:, None] & dv_ok[None, :])
             tl.store(FINAL_LSE + b64 * stride_gb + head * stride_gh + query * stride_gs, merged_lse, mask=head_ok)
             tl.store(TICKETS + pid, 0)
 
