@@ -80,10 +80,16 @@ class _MethodConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
+def _check_flags(config: Any, *names: str) -> None:
+    """Validate boolean fields."""
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
+
+
 def _check_logn(config: Any) -> None:
     """Validate the logN scaling fields shared by the method configs."""
-    if not isinstance(config.logn_scaling, bool):
-        raise ValueError(f"logn_scaling must be True or False, got {config.logn_scaling!r}")
+    _check_flags(config, "logn_scaling")
     if config.logn_base is not None and _as_int("logn_base", config.logn_base) < 2:
         raise ValueError(f"logn_base (the training length) must be None or >= 2, got {config.logn_base}")
     if config.logn_base is not None and not config.logn_scaling:
@@ -136,8 +142,7 @@ class PLASConfig(_MethodConfig):
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
             decode step from a captured CUDA graph once the sequence is past ``dense_below``
-            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly. With ``kv_cache_dtype="int8"`` generate()
-            decodes eagerly (a static int8 cache passed explicitly takes the graph path).
+            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly.
     """
 
     block_size: int = 128
@@ -172,8 +177,7 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
-        if not isinstance(self.decode_cuda_graph, bool):
-            raise ValueError(f"decode_cuda_graph must be True or False, got {self.decode_cuda_graph!r}")
+        _check_flags(self, "decode_cuda_graph")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -254,6 +258,7 @@ class XAttnConfig(_MethodConfig):
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back.
+        decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
     """
 
     block_size: int = 128
@@ -272,6 +277,7 @@ class XAttnConfig(_MethodConfig):
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
     dense_above_density: float | None = 0.75
+    decode_cuda_graph: bool = True
     method: str = field(default="xattn", init=False)
 
     def __post_init__(self) -> None:
@@ -297,9 +303,7 @@ class XAttnConfig(_MethodConfig):
                 or not 0.0 <= self.vote_ratio < 1.0:
             raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
         self.vote_ratio = float(self.vote_ratio)
-        for name in ("keep_sink", "keep_diagonal"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:

@@ -1,7 +1,7 @@
 """CUDA-graph decode inside ``generate()``: each decode step of a static SparseCache replays one captured forward.
 
 Eager decode is bound by the host: a 32-layer model launches hundreds of kernels per token from Python. Over a
-static :class:`~hf_sparse.SparseCache` the PLAS decode path reads every length on the device
+static :class:`~hf_sparse.SparseCache` the PLAS and XAttention decode paths read every length on the device
 (:func:`hf_sparse.attention.static_decode`), so one captured forward is valid for every later step of the same
 sequence. :class:`DecodeGraphs` wraps a model's ``forward`` for the length of one ``generate()`` call
 (:func:`install` from the cache hook, :func:`uninstall` when generate() returns): the first qualifying decode call
@@ -23,6 +23,10 @@ from .attention import _RECORDERS, DECODE_MAX_QUERY, method_config
 from .cache import SparseCache
 
 logger = logging.getLogger(__name__)
+
+#: Attention implementations whose decode over a static SparseCache reads no host length
+#: (:func:`hf_sparse.attention.static_decode`), so one captured step replays for every later one.
+GRAPH_METHODS = ("plas", "xattn")
 
 #: Keyword arguments a captured forward takes; a call with any other runs eagerly.
 _ACCEPTED = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "return_dict",
@@ -99,10 +103,10 @@ class DecodeGraphs:
             return None
         if not input_ids.is_cuda or input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= DECODE_MAX_QUERY:
             return None
-        model = self._model
-        if getattr(model.config, "_attn_implementation", None) != "plas":
+        implementation = getattr(self._model.config, "_attn_implementation", None)
+        if implementation not in GRAPH_METHODS:
             return None
-        config = method_config(model.config, "plas")
+        config = method_config(self._model.config, implementation)
         if not config.decode_cuda_graph or not cache.layers:
             return None
         steps = input_ids.shape[1]

@@ -52,13 +52,13 @@ _ORIGINAL: dict[str, Any] = {}
 
 def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tuple, kwargs: dict) -> int | None:
     """Tokens a static cache must hold for CUDA-graph decode of this ``generate()`` call, or None when graphs
-    do not apply (not PLAS, turned off, not CUDA with the Triton kernels, an int8 cache: its device-length path
-    is tested in the Triton interpreter but not yet on a GPU, so generate() keeps int8 caches dynamic)."""
-    if getattr(model.config, "_attn_implementation", None) != "plas":
+    do not apply (not PLAS or XAttention, turned off, not CUDA with the Triton kernels)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in graphs.GRAPH_METHODS:
         return None
-    config = method_config(model.config, "plas")
+    config = method_config(model.config, implementation)
     device = getattr(model, "device", torch.device("cpu"))
-    if not config.decode_cuda_graph or config.kv_cache_dtype != "auto" or device.type != "cuda":
+    if not config.decode_cuda_graph or device.type != "cuda":
         return None
     if kernels.backend_for(torch.empty(0, device=device)) != "triton":
         return None
@@ -83,7 +83,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     ):
         cache = SparseCache(self.config, max_cache_len=_graph_cache_length(self, generation_config, args, kwargs))
         model_kwargs["past_key_values"] = cache
-    if isinstance(cache, SparseCache) and cache.static_length is not None and implementation == "plas":
+    if isinstance(cache, SparseCache) and cache.static_length is not None and implementation in graphs.GRAPH_METHODS:
         graphs.install(self)
     return result
 

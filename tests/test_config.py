@@ -29,6 +29,7 @@ def test_defaults_match_fastdeploy():
     ({"dense_below": -1}, "dense_below"),
     ({"dense_layers": "last"}, "dense_layers"),
     ({"search_steps": 0}, "search_steps"),
+    ({"decode_cuda_graph": 1}, "decode_cuda_graph"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

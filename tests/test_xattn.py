@@ -54,6 +54,8 @@ def test_config_defaults_and_registry():
     ({"dense_below": -1}, "dense_below"),
     ({"dense_layers": "last"}, "dense_layers"),
     ({"prefill_chunk": 130}, "prefill_chunk"),
+    ({"decode_cuda_graph": "yes"}, "decode_cuda_graph"),
+    ({"logn_scaling": 1}, "logn_scaling"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
