@@ -7,9 +7,9 @@ over --repeats runs. Peak memory: torch.cuda.max_memory_allocated over the timed
 (weights included). The PLAS densities come from one more, untimed generate(max_new_tokens=8) under
 record_sparsity() (--no-density skips it).
 
-Methods (``--methods``): "sdpa"; "plas" (defaults: decode steps replayed from a CUDA graph, hf_sparse.graphs);
-"plas-eager" (PLASConfig(decode_cuda_graph=False)); "sdpa-static" (transformers' static cache, which makes
-generate() torch.compile the decode step; the compilation falls in the warm-up run).
+Methods (``--methods``): "sdpa"; "plas" and "xattn" (defaults: decode steps replayed from a CUDA graph,
+hf_sparse.graphs); "plas-eager" and "xattn-eager" (``decode_cuda_graph=False``); "sdpa-static" (transformers'
+static cache, which makes generate() torch.compile the decode step; the compilation falls in the warm-up run).
 
 Inputs: uniformly random token ids by default. With random weights these give i.i.d.-like queries and keys, so
 the PLAS selection united over 128 queries is (nearly) dense and the run measures overhead, not a speed-up.
@@ -70,7 +70,7 @@ def main() -> None:
                         help="distinct token ids per 2048-token segment (0: uniform random ids)")
     parser.add_argument("--no-density", action="store_true", help="skip the untimed run that records PLAS density")
     parser.add_argument("--methods", nargs="+", default=["sdpa", "plas"],
-                        choices=["sdpa", "plas", "plas-eager", "sdpa-static"])
+                        choices=["sdpa", "plas", "plas-eager", "xattn", "xattn-eager", "sdpa-static"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
@@ -86,8 +86,9 @@ def main() -> None:
         results = {}
         for method in args.methods:
             extra = {}
-            if method.startswith("plas"):
-                hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=method == "plas"))
+            if method.startswith(("plas", "xattn")):
+                config_class = hf_sparse.PLASConfig if method.startswith("plas") else hf_sparse.XAttnConfig
+                hf_sparse.configure(model, config_class(decode_cuda_graph=not method.endswith("-eager")))
             else:
                 model.set_attn_implementation("sdpa")
                 if method == "sdpa-static":
@@ -95,9 +96,11 @@ def main() -> None:
             stats = hf_sparse.graphs.stats(model)
             replays_before = stats.replays if stats else 0
             with torch.no_grad():
-                # warm-up: compilation, autotuning (for sdpa-static: at this length, the compiled decode step)
-                timed_generate(model, ids[:, :4096] if method != "sdpa-static" else ids, 2 if method != "sdpa-static"
-                               else 4, **extra)
+                # Warm-up at this length (kernels specialise on it; a 4K warm-up would run dense and leave the
+                # sparse kernels to compile inside the timed runs): 3 new tokens reach a CUDA-graph replay;
+                # sdpa-static compiles its decode step for its static cache's size, so it warms up with as
+                # many tokens as the timed runs.
+                timed_generate(model, ids, args.new_tokens if method == "sdpa-static" else 3, **extra)
                 torch.cuda.reset_peak_memory_stats()
                 ttft = statistics.median(timed_generate(model, ids, 1, **extra) for _ in range(args.repeats))
                 total = statistics.median(timed_generate(model, ids, args.new_tokens, **extra)

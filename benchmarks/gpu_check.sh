@@ -10,4 +10,4 @@ mkdir -p "$out"
 timeout 420 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_kernels.py --tb=short \
     > "$out/pytest.txt" 2>&1; tail -3 "$out/pytest.txt"
 (cd benchmarks && timeout 500 python bench_generate.py --lengths 32768 --new-tokens 128 --repeats 2 \
-    --methods sdpa plas sdpa-static --no-density > "$out/generate.txt" 2>&1); tail -8 "$out/generate.txt"
+    --methods sdpa plas xattn sdpa-static --no-density > "$out/generate.txt" 2>&1); tail -8 "$out/generate.txt"
