@@ -174,13 +174,18 @@ def test_decode_select_and_attention_with_device_length(size, batch, q_heads, kv
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("num_beams", [1, 2])
-def test_generate_with_static_cache_equals_dynamic(num_beams):
+@pytest.mark.parametrize("method, num_beams", [("plas", 1), ("plas", 2), ("xattn", 1)])
+def test_generate_with_static_cache_equals_dynamic(method, num_beams):
     """generate() over an explicit static cache, greedy and beam search (the cache is expanded and reordered),
     left-padded: the dynamic cache's tokens. On the Triton path decode reads its lengths on the device."""
     model = build(tiny_config(layers=2), "plas").to(DEVICE)
-    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
-                                                    dense_below=0, query_union=16, decode_cuda_graph=False))
+    if method == "plas":
+        config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
+                                      query_union=16, decode_cuda_graph=False)
+    else:
+        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0,
+                                       decode_cuda_graph=False)
+    hf_sparse.configure(model, config)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
