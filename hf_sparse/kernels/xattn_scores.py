@@ -22,6 +22,9 @@ from ._common import check_token_scale, dot_settings, scale_args
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
 _ROWS = 64
 _COLUMNS = 128  # 4.5 ms vs 6.0 ms (64) at 32K, bf16, H100
+#: Warps per program. 8 timed 6% faster at 128K (50.9 vs 53.2-54.5 ms, H100) but not GPU-tested for
+#: correctness yet: 4 until then (docs/xattn.md).
+_WARPS = 4
 #: Most bytes of per-step partial masses one launch keeps (tiles are launched in groups to stay under it).
 SCRATCH_BYTES = 512 * 1024 * 1024
 
@@ -109,8 +112,10 @@ def _antidiagonal_scores_kernel(
         row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(probs, 1)
         row_max = new_max
         step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
-        for kb in tl.static_range(KEY_BLOCKS):
-            tl.store(step + kb * BLOCK_M + offs_row, tl.sum(tl.where((offs_col // GROUPS == kb)[None, :], probs, 0.0), 1))
+        # Columns are (key block, key group) in row-major order: one reshape sums each block's groups.
+        block_sums = tl.sum(tl.reshape(probs, (BLOCK_M, KEY_BLOCKS, GROUPS)), 2)
+        offs_kb = tl.arange(0, KEY_BLOCKS)
+        tl.store(step + offs_kb[None, :] * BLOCK_M + offs_row[:, None], block_sums)
         tl.store(step + KEY_BLOCKS * BLOCK_M + offs_row, new_max)
     inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
     tl.debug_barrier()  # the scratch is read back by other threads of the program than wrote it
@@ -196,7 +201,7 @@ def antidiagonal_block_scores(
                     max_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized,
+                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, num_warps=_WARPS,
                 )
             break
         except OutOfResources:
