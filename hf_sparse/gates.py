@@ -187,20 +187,27 @@ def _metadata(spec: GateSpec, layers: list[int]) -> dict[str, str]:
 
 
 def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, spec: GateSpec) -> Path:
-    """Write ``gates`` to ``path`` atomically (a temporary file in the same folder, then ``os.replace``)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
+    """Write ``gates`` to ``path`` atomically (:func:`save_safetensors_atomic`)."""
     layers = sorted(gates)
     for layer_idx in layers:
         if tuple(gates[layer_idx].shape) != spec.shape:
             raise ValueError(f"layer {layer_idx}: gate shape {tuple(gates[layer_idx].shape)} != {spec.shape}")
     tensors = {gate_tensor_name(i): gates[i].detach().to("cpu", torch.float32).contiguous().clone() for i in layers}
+    return save_safetensors_atomic(tensors, path, _metadata(spec, layers))
+
+
+def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                            metadata: Mapping[str, str]) -> Path:
+    """Write a safetensors file atomically: a temporary file in the same folder, flushed to disk, then
+    ``os.replace`` (a crash leaves the old file or the new one, never a partial one)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
-        save_file(tensors, temp, metadata=_metadata(spec, layers))
+        save_file(dict(tensors), temp, metadata=dict(metadata))
         with open(temp, "rb") as stream:
             os.fsync(stream.fileno())
         os.replace(temp, path)

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import signal
-import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .gates import GATE_FILENAME, attention_modules, gate_spec, model_plas_config, set_gates, write_gate_file
+from .gates import (GATE_FILENAME, attention_modules, gate_spec, model_plas_config, save_safetensors_atomic, set_gates,
+                    write_gate_file)
 from .integration import attention_probe
 from .kernels.reference import block_availability, block_summaries
 
@@ -286,8 +286,6 @@ def _fingerprint(config: GateTrainingConfig, spec: Any, layers: Sequence[int], s
 def _save_checkpoint(path: Path, step: int, gates: Mapping[int, torch.nn.Parameter], optimizer: torch.optim.Adam,
                      losses: list[float], fingerprint: Mapping[str, Any]) -> None:
     """Gates, Adam moments, step and loss history in one safetensors file, replaced atomically."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     adam_steps = {}
     for layer, parameter in gates.items():
@@ -299,17 +297,7 @@ def _save_checkpoint(path: Path, step: int, gates: Mapping[int, torch.nn.Paramet
             adam_steps[str(layer)] = float(state["step"])
     metadata = {"step": str(step), "losses": json.dumps(losses), "adam_steps": json.dumps(adam_steps),
                 "fingerprint": json.dumps(fingerprint, sort_keys=True)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file(tensors, temp, metadata=metadata)
-        with open(temp, "rb") as stream:
-            os.fsync(stream.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    save_safetensors_atomic(tensors, path, metadata)
     logger.info("checkpoint at step %d written to %s", step, path)
 
 
