@@ -25,6 +25,7 @@ _COLUMNS = 128  # 4.5 ms vs 6.0 ms (64) at 32K, bf16, H100
 #: Warps per program. 8 timed 6% faster at 128K (50.9 vs 53.2-54.5 ms, H100) but not GPU-tested for
 #: correctness yet: 4 until then (docs/xattn.md).
 _WARPS = 4
+_STAGES = 3  # Triton's default on CUDA
 #: Most bytes of per-step partial masses one launch keeps (tiles are launched in groups to stay under it).
 SCRATCH_BYTES = 512 * 1024 * 1024
 
@@ -202,6 +203,7 @@ def antidiagonal_block_scores(
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
                     DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, num_warps=_WARPS,
+                    num_stages=_STAGES,
                 )
             break
         except OutOfResources:

@@ -1,0 +1,65 @@
+"""Launch settings of the XAttention scoring kernel: query groups and key groups per step, warps, stages.
+
+Run on a GPU: ``python benchmarks/tune_xattn_scores.py [--lengths 32768 131072]``. For each setting, the whole
+prompt scored in 16K-query chunks (as ``XAttnMethod.select_prefill`` does; bf16, 32 q / 8 KV heads, head dim
+128, block 128, stride 8, the attention benchmark's structured inputs), the median of ``triton.testing.do_bench``
+and the largest difference from the default setting's masses (a setting that computes something else shows).
+A setting over the GPU's shared memory is halved by the launcher, as in normal use (the row shows the one asked
+for).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from hf_sparse.kernels import xattn_scores
+
+from bench_attention import BLOCK, HEAD_DIM, structured_qkv
+
+STRIDE, CHUNK = 8, 16384
+
+
+def score_all(query, key, kv_start, tiles):
+    """Masses of every query tile, chunk by chunk (a list of [1, 32, chunk tiles, blocks] tensors)."""
+    return [xattn_scores.antidiagonal_block_scores(query, key, scale=HEAD_DIM ** -0.5, q_offset=0, kv_start=kv_start,
+                                                   block_size=BLOCK, stride=STRIDE, first_tile=first,
+                                                   num_tiles=min(CHUNK // BLOCK, tiles - first))
+            for first in range(0, tiles, CHUNK // BLOCK)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    args = parser.parse_args()
+    names = ("_ROWS", "_COLUMNS", "_WARPS", "_STAGES")
+    default = {name: getattr(xattn_scores, name) for name in names}
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | default "
+          f"{default}")
+    for length in args.lengths:
+        query, key, _ = structured_qkv(1, length, length, structured=True)
+        kv_start = torch.zeros(1, dtype=torch.int32, device="cuda")
+        tiles = length // BLOCK
+        expected = score_all(query, key, kv_start, tiles)
+        print(f"\n{length} tokens\n{'rows':>5} {'columns':>7} {'warps':>5} {'stages':>6} {'ms':>8} {'max diff':>9}")
+        for rows, columns, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3)):
+            for name, value in zip(names, (rows, columns, warps, stages)):
+                setattr(xattn_scores, name, value)
+            try:
+                got = score_all(query, key, kv_start, tiles)
+                diff = max(float((a - b).abs().max()) for a, b in zip(got, expected))
+                ms = triton.testing.do_bench(lambda: score_all(query, key, kv_start, tiles), warmup=25,
+                                             rep=200 if length < 100000 else 800)
+                print(f"{rows:>5} {columns:>7} {warps:>5} {stages:>6} {ms:>8.2f} {diff:>9.1e}", flush=True)
+            except Exception as error:  # noqa: BLE001 - a setting that does not launch is reported, not fatal
+                print(f"{rows:>5} {columns:>7} {warps:>5} {stages:>6} failed: {type(error).__name__}", flush=True)
+        for name, value in default.items():
+            setattr(xattn_scores, name, value)
+        del query, key, expected
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
