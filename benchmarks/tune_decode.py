@@ -1,4 +1,5 @@
-"""Launch settings of the split decode kernel, bf16 vs int8 K/V: splits, warps, key tile, stages.
+"""Launch settings of the split decode kernel, bf16 vs int8 K/V, and over every block (a dense layer of a
+CUDA-graph decode step, bf16): splits, warps, key tile, stages.
 
 Run on a GPU: ``python benchmarks/tune_decode.py [--lengths 131072] [--batches 1 8]``. Prints CUDA-graph
 medians (us) of ``kernels.sparse_attention`` on one PLAS decode selection per setting.
@@ -14,6 +15,7 @@ import triton
 from hf_sparse import kernels
 from hf_sparse.kernels import reference as ref
 from hf_sparse.kernels import sparse_decode
+from hf_sparse.selection import BlockSelection
 
 from bench_attention import BLOCK, DECODE_TOP_K, HEAD_DIM, graph_ms, structured_qkv
 
@@ -34,12 +36,19 @@ def main() -> None:
                                           block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
                                           sink_blocks=1, key_length=length)
         (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        blocks = summ.shape[2]
+        every_block = BlockSelection(  # the dense layer of a CUDA-graph decode step: all blocks, one row per KV head
+            indices=torch.arange(blocks, dtype=torch.int32, device="cuda").expand(batch, key.shape[1], 1, blocks),
+            counts=torch.full((batch, key.shape[1], 1), blocks, dtype=torch.int32, device="cuda"),
+            block_size=BLOCK, query_tile=1)
         runs = {
             "bf16": lambda **kw: kernels.sparse_attention(query, key, value, selection, scale=scale,
                                                           q_offset=length - 1, kv_start=kv_start, **kw),
             "int8": lambda **kw: kernels.sparse_attention(query, key8, value8, selection, scale=scale,
                                                           q_offset=length - 1, kv_start=kv_start,
                                                           key_scale=key_scale, value_scale=value_scale, **kw),
+            "all": lambda **kw: kernels.sparse_attention(query, key, value, every_block, scale=scale,
+                                                         q_offset=length - 1, kv_start=kv_start, **kw),
         }
         print(f"\nlength {length}, batch {batch}, mean blocks per KV head {selection.counts.float().mean():.1f}")
         print(f"{'kv':>5} {'programs/SM':>11} {'max splits':>10} {'warps':>5} {'block_n':>7} {'stages':>6} {'us':>8}")
@@ -52,7 +61,7 @@ def main() -> None:
                 print(f"{name:>5} {programs_per_sm:>11} {max_splits:>10} {warps:>5} {block_n:>7} {stages:>6} {us:>8.1f}")
         sparse_decode.TUNING.clear()
         sparse_decode.TUNING.update(default)
-        del query, key, value, key8, value8, summ, selection
+        del query, key, value, key8, value8, summ, selection, every_block
         torch.cuda.empty_cache()
 
 
