@@ -51,11 +51,12 @@ class BlockSelection:
     def from_mask(cls, block_mask: torch.Tensor, block_size: int, query_tile: int) -> "BlockSelection":
         """Build from a boolean ``[B, H, T, num_blocks]`` mask (True = attend)."""
         num_blocks = block_mask.shape[-1]
+        # A permutation: selected block j goes to slot (selected blocks before it), the others after all of them.
+        selected_before = torch.cumsum(block_mask, -1, dtype=torch.int32)  # including j
         counts = block_mask.sum(-1, dtype=torch.int32)
-        # Stable sort of "not selected" puts selected ids first, in ascending order.
-        order = torch.argsort((~block_mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        slot = torch.arange(num_blocks, device=block_mask.device, dtype=torch.int32)
-        indices = torch.where(slot < counts.unsqueeze(-1), order, torch.full_like(order, -1))
+        ids = torch.arange(num_blocks, device=block_mask.device, dtype=torch.int32)
+        target = torch.where(block_mask, selected_before - 1, counts.unsqueeze(-1) + ids - selected_before)
+        indices = torch.empty_like(selected_before).scatter_(-1, target.long(), torch.where(block_mask, ids, -1))
         return cls(indices=indices, counts=counts, block_size=block_size, query_tile=query_tile)
 
     def to_mask(self, num_blocks: int) -> torch.Tensor:

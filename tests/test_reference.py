@@ -141,9 +141,12 @@ def test_merge_lse_equals_attention_over_the_union():
     torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_block_selection_mask_round_trip():
-    mask = torch.rand(2, 3, 4, 9) > 0.5
+@pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
+def test_block_selection_mask_round_trip(density):
+    mask = torch.rand(2, 3, 4, 9, generator=torch.Generator().manual_seed(1)) < density
     sel = BlockSelection.from_mask(mask, 16, 8)
+    assert sel.indices.dtype == torch.int32 and sel.indices.is_contiguous()
+    assert torch.equal(sel.counts, mask.sum(-1, dtype=torch.int32))
     assert torch.equal(sel.to_mask(9), mask)
     valid = torch.arange(9) < sel.counts[..., None]
     assert (sel.indices[~valid] == -1).all()

@@ -97,9 +97,12 @@ def block_scores(
 ) -> torch.Tensor:
     """``softmax_j(q . Kc_j * scale + bias)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0
     elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape."""
-    group = query.shape[1] // summaries.shape[1]
-    summaries = summaries.repeat_interleave(group, dim=1)
-    logits = torch.matmul(query.float(), summaries.transpose(-1, -2)) * scale
+    batch, q_heads, num_queries, dim = query.shape
+    kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
+    # The query heads of a KV group as rows of one product with the group's summaries (no copy of them per head).
+    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * num_queries, dim)
+    logits = torch.matmul(grouped, summaries.float().transpose(-1, -2)).view(batch, q_heads, num_queries, num_blocks)
+    logits = logits * scale
     if bias is not None:
         logits = logits + bias
     logits = logits.masked_fill(~available[:, None], float("-inf"))
