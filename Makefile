@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_static_decode.py
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_features.py -k triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_features.py tests/test_equivalence.py -k "triton or probe"
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests

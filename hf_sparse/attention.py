@@ -27,6 +27,12 @@ DECODE_MAX_QUERY = 16
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for its
+#: last ``PROBE_QUERIES`` only: those see the most blocks, so under a fixed top-k (or a mass threshold) they are
+#: the sparsest part of the call. A probe at or above ``dense_above_density`` runs dense at once, without the
+#: cost of selecting for the rest (which would select at least as densely).
+PROBE_QUERIES = 1024
+
 
 @functools.lru_cache(maxsize=64)
 def _parse_config(serialized: str, method: str) -> Any:
@@ -122,6 +128,12 @@ def _block_counts(selection: BlockSelection, num_queries: int, q_offset: int, kv
     last_block = torch.div(q_offset + last_query - kv_start[:, None], selection.block_size, rounding_mode="floor")
     causal = torch.where(has_query, last_block + 1, torch.zeros_like(last_block)).clamp_min(0)
     return selection.counts.sum(), causal.sum() * selection.num_heads
+
+
+def _density(selection: BlockSelection, num_queries: int, q_offset: int, kv_start: torch.Tensor) -> float:
+    """Attended / causal blocks of a selection (one device-to-host read)."""
+    attended, causal = torch.stack(_block_counts(selection, num_queries, q_offset, kv_start)).tolist()
+    return attended / max(causal, 1)
 
 
 # -- the attention function ----------------------------------------------------------------------------------
@@ -352,11 +364,19 @@ def sparse_attention_forward(
     # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)
     select = policy.select_decode if phase == "decode" else policy.select_prefill
+    falls_back = phase == "prefill" and config.dense_above_density is not None and _falls_back_by_density(query)
+    if falls_back and num_queries >= 4 * PROBE_QUERIES:
+        probe_offset = q_offset + num_queries - PROBE_QUERIES
+        probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,
+                       kv_start=kv_start, key_scale=scales.get("key_scale"))
+        density = _density(probe, PROBE_QUERIES, probe_offset, kv_start)
+        if density >= config.dense_above_density:
+            return run_dense(f"probe density {density:.3f} (last {PROBE_QUERIES} queries) >= dense_above_density "
+                             f"{config.dense_above_density}")
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start,
                        key_scale=scales.get("key_scale"), **device_length)
-    if phase == "prefill" and config.dense_above_density is not None and _falls_back_by_density(query):
-        attended, causal = torch.stack(_block_counts(selection, num_queries, q_offset, kv_start)).tolist()
-        density = attended / max(causal, 1)
+    if falls_back:
+        density = _density(selection, num_queries, q_offset, kv_start)
         if density >= config.dense_above_density:
             return run_dense(f"density {density:.3f} >= dense_above_density {config.dense_above_density}")
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,

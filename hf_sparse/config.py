@@ -138,7 +138,10 @@ class PLASConfig(_MethodConfig):
             ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels).
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
-            Costs one device-to-host read per sparse prefill call; decode never falls back.
+            Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
+            4096 tokens are probed first: if the selection of their last 1024 queries (they see the most blocks,
+            so they are usually the sparsest part) keeps this fraction, the call runs dense (exact) without
+            selecting for the rest.
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
             decode step from a captured CUDA graph once the sequence is past ``dense_below``
@@ -257,7 +260,10 @@ class XAttnConfig(_MethodConfig):
             the prefill scoring included).
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
-            Costs one device-to-host read per sparse prefill call; decode never falls back.
+            Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
+            4096 tokens are probed first: if the selection of their last 1024 queries (they see the most blocks,
+            so they are usually the sparsest part) keeps this fraction, the call runs dense (exact) without
+            selecting for the rest.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
     """
 

@@ -1,4 +1,6 @@
 """"plas" on random-init models: equal to sdpa at full density, padding, beam search, assisted decoding, cache."""
+import os
+
 import pytest
 import torch
 
@@ -228,3 +230,49 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
             assert not rec.dense_layers(), config_
     with pytest.raises(ValueError, match="dense_above_density"):
         dataclasses.replace(dense_config, dense_above_density=1.5)
+
+
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_density_probe_decides_long_prefills(method, monkeypatch):
+    """A long prefill first selects for its last PROBE_QUERIES queries: a dense probe runs sdpa (exactly) without
+    selecting for the rest; a sparse one goes on to the full selection, with the output the call has without a
+    probe. Runs the Triton selection kernels under TRITON_INTERPRET=1 (and on CUDA)."""
+    import dataclasses
+
+    import hf_sparse.attention as attention
+
+    monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    config = tiny_config("llama", 4, 2)
+    sparse, dense = build(config, method).to(device), build(config, "sdpa").to(device)
+    if method == "plas":
+        dense_config = full_density(block_size=16)
+        sparse_config = dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1), query_union=16)
+    else:
+        dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
+        sparse_config = dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(3)).to(device)
+    calls = []
+    policy = attention.METHODS[method]
+    original = policy.select_prefill
+    monkeypatch.setattr(policy, "select_prefill", lambda self, query, *a, **k: calls.append(query.shape[2])
+                        or original(self, query, *a, **k))
+    with torch.no_grad():
+        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)  # 600 >= 4 x 64: probed
+        hf_sparse.configure(sparse, dense_config)
+        with hf_sparse.record_sparsity() as rec:
+            out = sparse(ids).logits
+        assert torch.equal(out, dense(ids).logits)
+        assert calls == [64, 64]  # one probe per layer, no full selection
+        assert all(r.startswith("probe density 1.000 (last 64 queries) >= dense_above_density 0.75")
+                   for r in rec.dense_layers("prefill").values()) and len(rec.dense_layers("prefill")) == 2
+        hf_sparse.configure(sparse, sparse_config)
+        calls.clear()
+        with hf_sparse.record_sparsity() as rec:
+            probed = sparse(ids).logits
+        assert calls == [64, 600, 64, 600] and not rec.dense_layers()
+        monkeypatch.setattr(attention, "PROBE_QUERIES", 1024)  # 600 < 4 x 1024: no probe
+        calls.clear()
+        unprobed = sparse(ids).logits
+        assert calls == [600, 600]
+        assert torch.equal(probed, unprobed)
