@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One device call's worth of checks for the CUDA-graph decode path and its kernels, in the repository root:
+# One device call's worth of checks, in the repository root:
 #   bash benchmarks/gpu_check.sh            (PYTHONPATH is set here; results under ${OUT:-/tmp}/gpu_check)
-# GPU tests of the kernels and static decode, then generate() TPOT/TTFT against eager sdpa and against sdpa with
-# transformers' static cache (torch.compile'd decode) at 32K.
+# The GPU tests (every file), the CPU tests that also run on CUDA and were last changed without a GPU (the density
+# probe), then generate() TTFT/TPOT for plas and xattn against eager sdpa at 32K. About 10 minutes in all:
+# split it over two calls to a warm machine when one call's limit is 600 s.
 set -u
 export PYTHONPATH="$PWD"
 out="${OUT:-/tmp}/gpu_check"
 mkdir -p "$out"
-timeout 420 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_kernels.py --tb=short \
-    > "$out/pytest.txt" 2>&1; tail -3 "$out/pytest.txt"
-(cd benchmarks && timeout 500 python bench_generate.py --lengths 32768 --new-tokens 128 --repeats 2 \
-    --methods sdpa plas xattn sdpa-static --no-density > "$out/generate.txt" 2>&1); tail -8 "$out/generate.txt"
+timeout 560 python -m pytest -q -m gpu tests --tb=short > "$out/pytest_gpu.txt" 2>&1; tail -3 "$out/pytest_gpu.txt"
+timeout 200 python -m pytest -q tests/test_equivalence.py tests/test_reference.py -k "probe or block_selection" \
+    --tb=short > "$out/pytest_cuda.txt" 2>&1; tail -3 "$out/pytest_cuda.txt"
+(cd benchmarks && timeout 300 python bench_generate.py --lengths 32768 --new-tokens 128 --repeats 2 \
+    --methods sdpa plas xattn --no-density > "$out/generate.txt" 2>&1); tail -6 "$out/generate.txt"
