@@ -130,6 +130,17 @@ def _block_counts(selection: BlockSelection, num_queries: int, q_offset: int, kv
     return selection.counts.sum(), causal.sum() * selection.num_heads
 
 
+def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, kv_start: torch.Tensor,
+               block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Block summaries of a call's keys: those the SparseCache layer keeps when its blocks are the method's,
+    else computed (an int8 cache's keys dequantised to ``dtype`` by the summary op)."""
+    if cache_layer is not None and cache_layer.block_size == block_size:
+        return cache_layer.block_summaries(gate, kv_start)
+    if getattr(cache_layer, "quantized", False):
+        return kernels.block_summaries(key, gate, kv_start, block_size, key_scale=cache_layer.key_scales, dtype=dtype)
+    return kernels.block_summaries(key, gate, kv_start, block_size)
+
+
 def _density(selection: BlockSelection, num_queries: int, q_offset: int, kv_start: torch.Tensor) -> float:
     """Attended / causal blocks of a selection (one device-to-host read)."""
     attended, causal = torch.stack(_block_counts(selection, num_queries, q_offset, kv_start)).tolist()
@@ -353,13 +364,8 @@ def sparse_attention_forward(
         device_length = {"length": cache_layer.device_length}
         scales = static_scales(cache_layer)
         summaries = cache_layer.recent_block_summaries(gate, num_queries)
-    elif cache_layer is not None and cache_layer.block_size == config.block_size:
-        summaries = cache_layer.block_summaries(gate, kv_start)
-    elif quantized:
-        dequantized = kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(query.dtype)
-        summaries = kernels.block_summaries(dequantized, gate, kv_start, config.block_size)
     else:
-        summaries = kernels.block_summaries(key, gate, kv_start, config.block_size)
+        summaries = _summaries(key, cache_layer, gate, kv_start, config.block_size, query.dtype)
     # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference). Selection
     # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)

@@ -113,9 +113,9 @@ def test_int8_kv_cache_close_to_sdpa_and_smaller():
     assert fp.memory_per_token() == 2 * 2 * 2 * 32 * 4
 
 
-def dequantized_states_cache(config) -> hf_sparse.SparseCache:
+def dequantized_states_cache(config, block_size: int | None = None) -> hf_sparse.SparseCache:
     """A float SparseCache that stores what an int8 cache holds, dequantised: the int8 cache's reference."""
-    cache = hf_sparse.SparseCache(config, kv_dtype="auto")
+    cache = hf_sparse.SparseCache(config, block_size=block_size, kv_dtype="auto")
 
     def roundtrip(states):
         return ref.dequantize_per_token(*ref.quantize_per_token(states)).to(states.dtype)
@@ -132,6 +132,30 @@ def backends():
     ``TRITON_INTERPRET=1 pytest tests/test_features.py -k int8``."""
     return ["torch", pytest.param("triton", marks=pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on CPU models needs TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_int8_cache_with_other_blocks_summarises_dequantized_keys(backend, monkeypatch):
+    """An int8 cache whose block size is not the method's: the attention summarises its keys itself, dequantised
+    (the summary op's int8 path), and selects as over a float cache holding the same dequantised states."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    model = build(tiny_config("llama", 8, 2, head_dim=32), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 2), decode_top_k=(2, 3),
+                                                    dense_below=0, dense_layers=(), query_union=16))
+    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(8))
+
+    def run(cache):
+        with torch.no_grad(), hf_sparse.record_sparsity(keep_inputs=True) as rec:
+            steps = [model(ids[:, :290], past_key_values=cache).logits]
+            steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(290, 300)]
+        return torch.cat(steps, 1), rec
+
+    logits, rec = run(hf_sparse.SparseCache(model.config, block_size=32, kv_dtype="int8"))
+    expected, expected_rec = run(dequantized_states_cache(model.config, block_size=32))
+    assert rec.density("prefill") < 0.95 and rec.density("decode") < 0.95, "selection really was sparse"
+    for got, want in zip(rec.records, expected_rec.records, strict=True):
+        assert torch.equal(got.selection.indices, want.selection.indices)
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", backends())
