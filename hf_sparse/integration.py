@@ -42,12 +42,33 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     No dense ``[B, 1, S, S]`` mask is built; causality is applied inside the attention function. The mask
     is returned even when it holds no padding: checking that would read it on the host every step.
     """
+    if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length != kv_offset + kv_length:
+        raise ValueError(
+            f"hf_sparse attention needs the keys to end at the last query, but this cache holds {kv_length} key slots "
+            f"for queries at positions {q_offset}..{q_offset + q_length - 1}: preallocated caches such as "
+            "transformers' StaticCache are not supported. Pass hf_sparse.SparseCache(model.config, max_cache_len=N) "
+            "(static storage; CUDA-graph decode on CUDA), or let generate() create its cache (cache_implementation="
+            "'static' is mapped to a static SparseCache)."
+        )
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]
 
 
 _ORIGINAL: dict[str, Any] = {}
+
+
+try:  # cache_implementation values that make generate() preallocate its cache
+    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS as _STATIC_CACHES
+except ImportError:  # releases without the constant
+    _STATIC_CACHES = ("static", "offloaded_static")
+
+
+def _static_cache_length(generation_config: Any, args: tuple, kwargs: dict) -> int:
+    """Tokens a static cache for this ``generate()`` call holds (transformers' own sizing)."""
+    length = args[2] if len(args) > 2 else kwargs.get("max_cache_length")
+    wanted = generation_config.max_length
+    return max(int(length), wanted) if isinstance(length, int) and length > 0 else wanted
 
 
 def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tuple, kwargs: dict) -> int | None:
@@ -62,16 +83,21 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
         return None
     if kernels.backend_for(torch.empty(0, device=device)) != "triton":
         return None
-    length = args[2] if len(args) > 2 else kwargs.get("max_cache_length")  # transformers' own cache sizing
-    wanted = generation_config.max_length
-    return max(int(length), wanted) if isinstance(length, int) and length > 0 else wanted
+    return _static_cache_length(generation_config, args, kwargs)
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    """Default ``generate()`` cache: a SparseCache for our implementations when the user chose none (static,
-    with the forward wrapped for CUDA-graph decode, where :mod:`hf_sparse.graphs` applies)."""
-    result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
+    """Default ``generate()`` cache: a SparseCache for our implementations when the user passed none (static,
+    with the forward wrapped for CUDA-graph decode, where :mod:`hf_sparse.graphs` applies). A static
+    ``cache_implementation`` (e.g. ``"static"``) gets a static SparseCache of transformers' size: our attention
+    needs keys that end at the last query, which transformers' preallocated caches do not give."""
     implementation = getattr(self.config, "_attn_implementation", None)
+    static_asked = (implementation in METHODS and generation_config.cache_implementation in _STATIC_CACHES
+                    and model_kwargs.get("past_key_values") is None)
+    if static_asked:  # let transformers make (and allocate) no preallocated cache; the caller's config unchanged
+        generation_config = copy.copy(generation_config)
+        generation_config.cache_implementation = None
+    result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
     cache = model_kwargs.get("past_key_values")
     if (
         implementation in METHODS
@@ -81,7 +107,10 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         and not getattr(cache, "_is_user_defined", False)
         and cache.get_seq_length() == 0
     ):
-        cache = SparseCache(self.config, max_cache_len=_graph_cache_length(self, generation_config, args, kwargs))
+        length = _graph_cache_length(self, generation_config, args, kwargs)
+        if length is None and static_asked:
+            length = _static_cache_length(generation_config, args, kwargs)
+        cache = SparseCache(self.config, max_cache_len=length)
         model_kwargs["past_key_values"] = cache
     if isinstance(cache, SparseCache) and cache.static_length is not None and implementation in graphs.GRAPH_METHODS:
         graphs.install(self)

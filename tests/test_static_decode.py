@@ -219,6 +219,29 @@ def test_generate_with_static_cache_on_cpu_and_wrapper_lifetime():
     copy.deepcopy(model)
 
 
+def test_transformers_static_cache_is_mapped_or_refused():
+    """generate(cache_implementation="static") gets a static SparseCache of transformers' size (the same tokens as
+    the default cache); a transformers StaticCache passed to forward (its keys do not end at the last query) is
+    refused with an error that names the way out, instead of attending to empty slots."""
+    from transformers import StaticCache
+
+    config = tiny_config(layers=2)
+    model = build(config, "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, query_union=16))
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    default = model.generate(ids, **kwargs)
+    static = model.generate(ids, cache_implementation="static", return_dict_in_generate=True, **kwargs)
+    assert isinstance(static.past_key_values, SparseCache) and static.past_key_values.static_length >= 56
+    assert torch.equal(static.sequences, default)
+    model.generation_config.cache_implementation = "static"  # set on the model: the same, and left as it was
+    assert torch.equal(model.generate(ids, **kwargs), default)
+    assert model.generation_config.cache_implementation == "static"
+    with pytest.raises(ValueError, match="StaticCache are not supported"):
+        model(ids, past_key_values=StaticCache(config=config, max_cache_len=64))
+
+
 def test_static_cache_validation_and_growth():
     with pytest.raises(ValueError, match="max_cache_len"):
         SparseCache(tiny_config(), max_cache_len=0)
