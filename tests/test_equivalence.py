@@ -193,6 +193,18 @@ def test_dense_layers_are_reported_and_logged(caplog):
     assert rec.density("prefill") < 1.0
 
 
+def fallback_configs(method: str):
+    """(a config that selects every block, one that selects few) of ``method``, every layer sparse."""
+    import dataclasses
+
+    if method == "plas":
+        dense_config = full_density(block_size=16)
+        return dense_config, dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1),
+                                                 query_union=16)
+    dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
+    return dense_config, dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
+
+
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
     """Where the density fallback applies (CUDA with the Triton kernels; forced here), a prefill whose selection
@@ -205,12 +217,7 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
     monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method), build(config, "sdpa")
-    if method == "plas":
-        dense_config = full_density(block_size=16)
-        sparse_config = dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1), query_union=16)
-    else:
-        dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
-        sparse_config = dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
+    dense_config, sparse_config = fallback_configs(method)
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = dense(ids).logits
@@ -237,20 +244,13 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     """A long prefill first selects for its last PROBE_QUERIES queries: a dense probe runs sdpa (exactly) without
     selecting for the rest; a sparse one goes on to the full selection, with the output the call has without a
     probe. Runs the Triton selection kernels under TRITON_INTERPRET=1 (and on CUDA)."""
-    import dataclasses
-
     import hf_sparse.attention as attention
 
     monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method).to(device), build(config, "sdpa").to(device)
-    if method == "plas":
-        dense_config = full_density(block_size=16)
-        sparse_config = dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1), query_union=16)
-    else:
-        dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
-        sparse_config = dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
+    dense_config, sparse_config = fallback_configs(method)
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(3)).to(device)
     calls = []
     policy = attention.METHODS[method]
