@@ -37,6 +37,14 @@ def llama3_8b_config(layers: int) -> LlamaConfig:
                        rope_theta=500000.0)
 
 
+def llama3_8b_model(layers: int) -> torch.nn.Module:
+    """The Llama-3-8B-shaped model with random weights (seed 0), bf16, on the GPU, sdpa attention, eval mode."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(llama3_8b_config(layers), dtype=torch.bfloat16,
+                                                attn_implementation="sdpa").eval()
+
+
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
     # The caches of earlier runs can sit in reference cycles: free them first, or 128K runs run out of memory.
     gc.collect()
@@ -74,10 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama3_8b_config(args.layers), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").eval()
+    model = llama3_8b_model(args.layers)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     rows = []

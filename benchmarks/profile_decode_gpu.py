@@ -11,10 +11,9 @@ import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM
 
 import hf_sparse
-from bench_generate import llama3_8b_config
+from bench_generate import llama3_8b_model
 
 
 def decode_profile(model, method: str, length: int, steps: int, rows: int) -> None:
@@ -62,10 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_gpu.py measures GPU time; no CUDA device found")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama3_8b_config(args.layers), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").eval()
+    model = llama3_8b_model(args.layers)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
     for method in args.methods:
         decode_profile(model, method, args.length, args.steps, args.rows)

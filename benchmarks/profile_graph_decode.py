@@ -14,12 +14,12 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 import hf_sparse
 from hf_sparse import graphs
 
-from bench_generate import llama3_8b_config
+from bench_generate import llama3_8b_model
 
 
 def run(model, cache, ids, steps):
@@ -51,10 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--layers", type=int, default=32)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama3_8b_config(args.layers), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").eval()
+    model = llama3_8b_model(args.layers)
     ids = torch.randint(0, 128256, (1, args.length), generator=torch.Generator().manual_seed(1)).cuda()
     results = {}
     for name in ("sdpa", "plas-eager", "plas-graph", "sdpa", "plas-eager", "plas-graph"):
