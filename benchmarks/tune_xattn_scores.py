@@ -1,11 +1,13 @@
 """Launch settings of the XAttention scoring kernel: query groups and key groups per step, warps, stages.
 
-Run on a GPU: ``python benchmarks/tune_xattn_scores.py [--lengths 32768 131072]``. For each setting, the whole
+Run on a GPU: ``python benchmarks/tune_xattn_scores.py [--lengths 32768 131072] [--settings 64,128,4,3 ...]
+[--rounds 3]``. For each setting, the whole
 prompt scored in 16K-query chunks (as ``XAttnMethod.select_prefill`` does; bf16, 32 q / 8 KV heads, head dim
 128, block 128, stride 8, the attention benchmark's structured inputs), the median of ``triton.testing.do_bench``
 and the largest difference from the default setting's masses (a setting that computes something else shows).
 A setting over the GPU's shared memory is halved by the launcher, as in normal use (the row shows the one asked
-for).
+for). ``--settings`` times only the listed ``rows,columns,warps,stages`` settings, ``--rounds`` times over, the
+settings interleaved in each round (an A/B less exposed to drift than one sweep).
 """
 from __future__ import annotations
 
@@ -33,7 +35,12 @@ def score_all(query, key, kv_start, tiles):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--settings", nargs="+", metavar="R,C,W,S",
+                        help="rows,columns,warps,stages settings to time (default: the whole sweep)")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    settings = ([tuple(int(v) for v in text.split(",")) for text in args.settings] if args.settings
+                else list(itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3))))
     names = ("_ROWS", "_COLUMNS", "_WARPS", "_STAGES")
     default = {name: getattr(xattn_scores, name) for name in names}
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | default "
@@ -44,7 +51,7 @@ def main() -> None:
         tiles = length // BLOCK
         expected = score_all(query, key, kv_start, tiles)
         print(f"\n{length} tokens\n{'rows':>5} {'columns':>7} {'warps':>5} {'stages':>6} {'ms':>8} {'max diff':>9}")
-        for rows, columns, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3)):
+        for rows, columns, warps, stages in settings * args.rounds:
             for name, value in zip(names, (rows, columns, warps, stages)):
                 setattr(xattn_scores, name, value)
             try:

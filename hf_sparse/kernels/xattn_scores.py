@@ -20,12 +20,12 @@ from triton.runtime.errors import OutOfResources
 from ._common import check_token_scale, dot_settings, scale_args
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
-_ROWS = 64
-_COLUMNS = 128  # 4.5 ms vs 6.0 ms (64) at 32K, bf16, H100
-#: Warps per program. 8 timed 6% faster at 128K (50.9 vs 53.2-54.5 ms, H100) but not GPU-tested for
-#: correctness yet: 4 until then (docs/xattn.md).
-_WARPS = 4
-_STAGES = 3  # Triton's default on CUDA
+# Launch setting from benchmarks/tune_xattn_scores.py (H100, bf16, 128K; docs/xattn.md): 128 x 128 groups with
+# 8 warps and 3 stages.
+_ROWS = 128
+_COLUMNS = 128
+_WARPS = 8
+_STAGES = 3
 #: Most bytes of per-step partial masses one launch keeps (tiles are launched in groups to stay under it).
 SCRATCH_BYTES = 512 * 1024 * 1024
 
