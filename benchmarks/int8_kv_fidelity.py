@@ -17,20 +17,11 @@ import torch
 import hf_sparse
 from hf_sparse.cache import SparseCache
 from hf_sparse.default_model import load_default_model
+from hf_sparse.eval import stdlib_text
 
 
 def sample_ids(tokenizer, tokens: int) -> torch.Tensor:
-    import glob
-    import os
-    import sysconfig
-
-    text, root = "", sysconfig.get_paths()["stdlib"]
-    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            text += handle.read()
-        if len(text) > tokens * 6:
-            break
-    return tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+    return tokenizer(stdlib_text(tokens * 6 + 1), return_tensors="pt").input_ids[:, :tokens]
 
 
 @torch.no_grad()

@@ -11,9 +11,7 @@ pass-key question of examples/generate.py with dense and with each sparse settin
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import sysconfig
 import time
 
 import torch
@@ -21,18 +19,7 @@ import torch
 import hf_sparse
 from hf_sparse.config import XAttnConfig
 from hf_sparse.default_model import load_default_model
-
-
-def stdlib_text(min_chars: int) -> str:
-    """The standard library's own source files, in sorted order, until ``min_chars`` characters."""
-    parts, total = [], 0
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            parts.append(handle.read())
-        total += len(parts[-1])
-        if total >= min_chars:
-            break
-    return "".join(parts)
+from hf_sparse.eval import stdlib_text
 
 
 def use(model, config: XAttnConfig | None) -> None:

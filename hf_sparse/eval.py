@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
+import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -12,6 +15,19 @@ from .config import CONFIG_KEY, PLASConfig
 from .integration import configure
 
 _QUERY_CHUNK = 512
+
+
+def stdlib_text(min_chars: int) -> str:
+    """Deterministic natural-ish text: the standard library's own ``*.py`` files in sorted order, until at least
+    ``min_chars`` characters (all of them if they hold fewer)."""
+    parts, total = [], 0
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            parts.append(handle.read())
+        total += len(parts[-1])
+        if total >= min_chars:
+            break
+    return "".join(parts)
 
 
 @dataclass

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import copy
-import glob
 import os
-import sysconfig
 
 import pytest
 import torch
@@ -50,17 +48,3 @@ def smollm2():
     from hf_sparse.default_model import load_default_model
 
     return load_default_model(attn_implementation="sdpa")
-
-
-def stdlib_text(min_chars: int) -> str:
-    """Deterministic natural-ish text: the standard library's own source files, in sorted order."""
-    root = sysconfig.get_paths()["stdlib"]
-    parts, total = [], 0
-    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            text = handle.read()
-        parts.append(text)
-        total += len(text)
-        if total >= min_chars:
-            break
-    return "".join(parts)

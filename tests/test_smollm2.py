@@ -2,9 +2,7 @@
 import torch
 
 import hf_sparse
-from hf_sparse.eval import fidelity
-
-from conftest import stdlib_text
+from hf_sparse.eval import fidelity, stdlib_text
 
 
 def _plas_twin():
