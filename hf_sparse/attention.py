@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -164,26 +165,48 @@ def _unsupported(kwargs: dict[str, Any], key_length: int) -> None:
         )
 
 
+#: The last 2D mask's padding layout: every layer of a forward gets the same mask tensor, so its host reads
+#: (the left-padding check and kv_start's range) happen once per forward, not once per layer (each read is a
+#: host sync, which on small models costs more than the attention).
+_LAST_LAYOUT: list = []
+
+
+def _mask_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(kv_start noted with its range, whether the mask is left padding only) of a 2D mask, memoised on the
+    mask tensor (identity and version)."""
+    key = (attention_mask._version, key_length, device)
+    if not (_LAST_LAYOUT and _LAST_LAYOUT[0]() is attention_mask and _LAST_LAYOUT[1] == key):
+        _LAST_LAYOUT[:] = [weakref.ref(attention_mask), key, *_read_layout(attention_mask, key_length, device)]
+    return _LAST_LAYOUT[2], _LAST_LAYOUT[3]
+
+
+def _read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """:func:`_mask_layout` without the memo: one host read."""
+    mask = attention_mask[:, -key_length:].bool()
+    kv_start = key_length - mask.sum(-1)
+    left_only = (mask == (torch.arange(key_length, device=mask.device)[None, :] >= kv_start[:, None])).all()
+    low, high, left_padded = torch.stack([kv_start.min(), kv_start.max(), left_only.long()]).tolist()
+    return kernels.reference.note_range(kv_start.to(device), low, high), bool(left_padded)
+
+
 def padding_start(attention_mask: torch.Tensor | None, batch: int, key_length: int, device: torch.device,
                   validate: bool) -> torch.Tensor:
-    """Per-row count of left-padding slots from the 2D mask (zeros when there is no mask)."""
+    """Per-row count of left-padding slots from the 2D mask (zeros when there is no mask), noted with its
+    range (``kernels.reference.note_range``); not to be modified in place (layers share it)."""
     if attention_mask is None:
-        return torch.zeros(batch, dtype=torch.int64, device=device)
+        return kernels.reference.note_range(torch.zeros(batch, dtype=torch.int64, device=device), 0, 0)
     if attention_mask.dim() != 2:
         raise NotImplementedError(
             f"hf_sparse sparse attention takes the 2D padding mask; got a {attention_mask.dim()}D mask "
             "(custom 4D masks are not supported on the sparse path)"
         )
-    mask = attention_mask[:, -key_length:].bool()
-    kv_start = key_length - mask.sum(-1)
-    if validate:
-        expected = torch.arange(key_length, device=mask.device)[None, :] >= kv_start[:, None]
-        if not torch.equal(mask, expected):
-            raise ValueError(
-                "hf_sparse needs left padding (padding_side='left'): the attention mask has masked slots after "
-                "unmasked ones"
-            )
-    return kv_start.to(device)
+    kv_start, left_padded = _mask_layout(attention_mask, key_length, device)
+    if validate and not left_padded:
+        raise ValueError(
+            "hf_sparse needs left padding (padding_side='left'): the attention mask has masked slots after "
+            "unmasked ones"
+        )
+    return kv_start
 
 
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -191,8 +214,15 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
+    batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
+    if (attention_mask is not None and attention_mask.dim() == 2 and (num_queries == 1 or num_queries == key_length)
+            and not torch.compiler.is_compiling()):
+        # sdpa_mask would return None (sdpa's is_causal) for a mask without padding here; the memoised layout
+        # answers that without a host read per layer.
+        kv_start, left_padded = _mask_layout(attention_mask, key_length, query.device)
+        if left_padded and kernels.reference.kv_start_range(kv_start) == (0, 0):
+            attention_mask = None
     if attention_mask is None or attention_mask.dim() == 2:
-        batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
         attention_mask = sdpa_mask(
             batch_size=batch, q_length=num_queries, kv_length=key_length, q_offset=key_length - num_queries,
             kv_offset=0, attention_mask=attention_mask, device=query.device,

@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
+from .kernels import reference
 from .config import KV_CACHE_DTYPES
 
 #: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
@@ -187,8 +188,8 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def set_padding(self, kv_start: torch.Tensor) -> None:
         """Take the sequence's padding layout (left-padding slots per row; one host read per sequence)."""
-        self.kv_start = kv_start.clone()
-        self._padding_range = (int(kv_start.min()), int(kv_start.max()))
+        self._padding_range = reference.kv_start_range(kv_start)
+        self.kv_start = reference.note_range(kv_start.clone(), *self._padding_range)
         self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
@@ -254,7 +255,9 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
-            self._padding_range = (int(self.kv_start.min()), int(self.kv_start.max()))
+            # Read afresh (a clone carries no note: ``fn`` may have returned the same tensor, changed in place).
+            self._padding_range = reference.kv_start_range(self.kv_start.clone())
+            reference.note_range(self.kv_start, *self._padding_range)
         self.version += 1
         self._views()
 

@@ -66,6 +66,31 @@ def test_right_padding_is_rejected():
         model(ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense-fallback"])
+def test_padding_layout_is_read_once_per_forward(monkeypatch, dense):
+    """Every layer gets the same mask: its host read (a sync on CUDA) happens once per forward, and the
+    outputs stay those of sdpa for the padded batch."""
+    from hf_sparse import attention
+
+    reads = []
+    read_layout = attention._read_layout
+    monkeypatch.setattr(attention, "_read_layout", lambda *args: reads.append(1) or read_layout(*args))
+    config = tiny_config("llama", 6, 2)
+    model, reference_model = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(10_000, 10_000),
+                                                    dense_below=10**6 if dense else 0, dense_layers=()))
+    ids = torch.randint(3, 128, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        for attention_mask in (mask, torch.ones_like(ids)):
+            reads.clear()
+            torch.testing.assert_close(model(ids, attention_mask=attention_mask).logits,
+                                       reference_model(ids, attention_mask=attention_mask).logits,
+                                       atol=2e-5, rtol=1e-4)
+            assert len(reads) == 1, f"{len(reads)} host reads of the mask for {config.num_hidden_layers} layers"
+
+
 def test_beam_search_with_sparse_cache():
     config = tiny_config("llama", 8, 2)
     sparse, dense = build(config, "plas"), build(config, "sdpa")

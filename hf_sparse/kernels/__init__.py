@@ -82,7 +82,7 @@ def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, rece
     valid = int(length)
     keys = keys[:, :, :valid]
     key_scale = key_scale[:, :, :valid] if key_scale is not None else None
-    first = max(0, valid - recent - int(kv_start.max())) // block_size
+    first = max(0, valid - recent - reference.kv_start_range(kv_start)[1]) // block_size
     blocks = _reference_summaries(keys, gate_weight, kv_start, block_size, first, None, key_scale, dtype)
     out[:, :, first:first + blocks.shape[2]] = blocks
     return out
@@ -97,8 +97,9 @@ def _reference_summaries(keys, gate_weight, kv_start, block_size, first_block, n
     kv_start = kv_start.to(keys.device)
     if num_blocks is None:
         num_blocks = reference.num_row_blocks(length, kv_start, block_size) - first_block
-    low = min(length, int(kv_start.min()) + first_block * block_size)
-    high = min(length, int(kv_start.max()) + (first_block + num_blocks) * block_size)
+    fewest, most = reference.kv_start_range(kv_start)
+    low = min(length, fewest + first_block * block_size)
+    high = min(length, most + (first_block + num_blocks) * block_size)
     window = reference.dequantize_per_token(keys[:, :, low:high], key_scale[:, :, low:high]).to(dtype)
     # Row b's block first_block + j starts at window slot kv_start[b] - low + (first_block + j) * block_size.
     return reference.block_summaries(window, gate_weight, kv_start - low + first_block * block_size, block_size, 0,

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_length, check_token_scale, next_power_of_2
+from .reference import kv_start_range
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def block_summaries(
         raise ValueError(f"block_size must be >= 1 and first_block >= 0, got {block_size}, {first_block}")
     kv_start = kv_start.to(keys.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     if num_blocks is None:
-        num_blocks = -(-(length - int(kv_start.min())) // block_size) - first_block
+        num_blocks = -(-(length - kv_start_range(kv_start)[0]) // block_size) - first_block
     num_blocks = max(0, num_blocks)
     if out is None:
         out = torch.empty(batch, heads, num_blocks, dim, dtype=torch.float32, device=keys.device)

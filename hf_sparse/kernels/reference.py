@@ -29,9 +29,28 @@ def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+_RANGE_ATTR = "_hf_sparse_range"
+
+
+def note_range(kv_start: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """``kv_start`` noted with its (min, max) as host ints, so the helpers below need not read it from the
+    device; the tensor must not be modified in place afterwards."""
+    setattr(kv_start, _RANGE_ATTR, (int(low), int(high)))
+    return kv_start
+
+
+def kv_start_range(kv_start: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of ``kv_start``: its note (:func:`note_range`), else one device-to-host read."""
+    known = getattr(kv_start, _RANGE_ATTR, None)
+    if known is not None:
+        return known
+    low, high = torch.stack([kv_start.min(), kv_start.max()]).tolist()
+    return int(low), int(high)
+
+
 def num_row_blocks(key_length: int, kv_start: torch.Tensor, block_size: int) -> int:
     """Blocks of the longest row (the width of summaries and block masks)."""
-    return _ceil_div(key_length - int(kv_start.min()), block_size)
+    return _ceil_div(key_length - kv_start_range(kv_start)[0], block_size)
 
 
 def padding_queries(num_queries: int, q_offset: int, kv_start: torch.Tensor) -> torch.Tensor:
@@ -43,7 +62,8 @@ def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor, que
     """Tiles of the row with the most real queries (1, without reading kv_start, when one tile spans the call)."""
     if query_tile >= num_queries:
         return 1
-    return max(1, _ceil_div(num_queries - int(padding_queries(num_queries, q_offset, kv_start).min()), query_tile))
+    fewest_padding = min(max(kv_start_range(kv_start)[0] - q_offset, 0), num_queries)
+    return max(1, _ceil_div(num_queries - fewest_padding, query_tile))
 
 
 def block_summaries(

@@ -168,10 +168,10 @@ def antidiagonal_block_scores(
         raise ValueError(f"stride {stride} must be a power of two dividing block_size {block_size}")
     batch, q_heads, num_queries, dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
-    kv_start = kv_start.to(device=query.device, dtype=torch.int32)
     num_blocks = num_row_blocks(key_length, kv_start, block_size)
     if num_tiles is None:
         num_tiles = num_query_tiles(num_queries, q_offset, kv_start, block_size) - first_tile
+    kv_start = kv_start.to(device=query.device, dtype=torch.int32)
     out = torch.zeros(batch, q_heads, num_tiles, num_blocks, dtype=torch.float32, device=query.device)
     if num_tiles <= 0 or num_blocks <= 0:
         return out
