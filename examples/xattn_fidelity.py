@@ -11,7 +11,6 @@ pass-key question of examples/generate.py with dense and with each sparse settin
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
