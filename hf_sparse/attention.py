@@ -165,19 +165,22 @@ def _unsupported(kwargs: dict[str, Any], key_length: int) -> None:
         )
 
 
-#: The last 2D mask's padding layout: every layer of a forward gets the same mask tensor, so its host reads
-#: (the left-padding check and kv_start's range) happen once per forward, not once per layer (each read is a
-#: host sync, which on small models costs more than the attention).
-_LAST_LAYOUT: list = []
+#: The last 2D mask's padding layout, one tuple (mask weakref, key, kv_start, left-padded): every layer of a
+#: forward gets the same mask tensor, so its host reads (the left-padding check and kv_start's range) happen
+#: once per forward, not once per layer (each read is a host sync, which on small models costs more than the
+#: attention). One tuple, replaced whole: threads running other models read either entry, never a mix.
+_LAST_LAYOUT: list[tuple] = []
 
 
 def _mask_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """(kv_start noted with its range, whether the mask is left padding only) of a 2D mask, memoised on the
     mask tensor (identity and version)."""
     key = (attention_mask._version, key_length, device)
-    if not (_LAST_LAYOUT and _LAST_LAYOUT[0]() is attention_mask and _LAST_LAYOUT[1] == key):
-        _LAST_LAYOUT[:] = [weakref.ref(attention_mask), key, *_read_layout(attention_mask, key_length, device)]
-    return _LAST_LAYOUT[2], _LAST_LAYOUT[3]
+    entry = _LAST_LAYOUT[0] if _LAST_LAYOUT else None
+    if entry is None or entry[0]() is not attention_mask or entry[1] != key:
+        entry = (weakref.ref(attention_mask), key, *_read_layout(attention_mask, key_length, device))
+        _LAST_LAYOUT[:] = [entry]
+    return entry[2], entry[3]
 
 
 def _read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[torch.Tensor, bool]:
