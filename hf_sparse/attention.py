@@ -195,7 +195,7 @@ def _read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.de
 def padding_start(attention_mask: torch.Tensor | None, batch: int, key_length: int, device: torch.device,
                   validate: bool) -> torch.Tensor:
     """Per-row count of left-padding slots from the 2D mask (zeros when there is no mask), noted with its
-    range (``kernels.reference.note_range``); not to be modified in place (layers share it)."""
+    range (``kernels.reference.note_range``); shared by the layers of a forward, so not to be changed in place."""
     if attention_mask is None:
         return kernels.reference.note_range(torch.zeros(batch, dtype=torch.int64, device=device), 0, 0)
     if attention_mask.dim() != 2:

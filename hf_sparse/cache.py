@@ -255,8 +255,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
-            # Read afresh (a clone carries no note: ``fn`` may have returned the same tensor, changed in place).
-            self._padding_range = reference.kv_start_range(self.kv_start.clone())
+            self._padding_range = reference.kv_start_range(self.kv_start)
             reference.note_range(self.kv_start, *self._padding_range)
         self.version += 1
         self._views()

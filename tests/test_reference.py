@@ -237,3 +237,11 @@ def test_alibi_selection_prefers_near_blocks():
     for query in range(16, 128):
         own = query // 16
         assert mask[0, :, query, own - 1:own + 1].all() and not mask[0, :, query, :max(0, own - 2)].any()
+
+
+def test_kv_start_range_note_is_voided_by_an_in_place_change():
+    kv_start = ref.note_range(torch.tensor([0, 5, 2]), 0, 5)
+    assert ref.kv_start_range(kv_start) == (0, 5)
+    kv_start.add_(1)  # the note would now be stale: it is ignored and the tensor read
+    assert ref.kv_start_range(kv_start) == (1, 6)
+    assert ref.kv_start_range(torch.tensor([3, 7])) == (3, 7)  # no note: read

@@ -34,16 +34,16 @@ _RANGE_ATTR = "_hf_sparse_range"
 
 def note_range(kv_start: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """``kv_start`` noted with its (min, max) as host ints, so the helpers below need not read it from the
-    device; the tensor must not be modified in place afterwards."""
-    setattr(kv_start, _RANGE_ATTR, (int(low), int(high)))
+    device; an in-place change of the tensor voids the note (it records the tensor's version)."""
+    setattr(kv_start, _RANGE_ATTR, (int(low), int(high), kv_start._version))
     return kv_start
 
 
 def kv_start_range(kv_start: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of ``kv_start``: its note (:func:`note_range`), else one device-to-host read."""
+    """(min, max) of ``kv_start``: its note (:func:`note_range`) if still valid, else one device-to-host read."""
     known = getattr(kv_start, _RANGE_ATTR, None)
-    if known is not None:
-        return known
+    if known is not None and known[2] == kv_start._version:
+        return known[0], known[1]
     low, high = torch.stack([kv_start.min(), kv_start.max()]).tolist()
     return int(low), int(high)
 
