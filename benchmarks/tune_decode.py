@@ -1,8 +1,10 @@
 """Launch settings of the split decode kernel, bf16 vs int8 K/V, and over every block (a dense layer of a
 CUDA-graph decode step, bf16): splits, warps, key tile, stages.
 
-Run on a GPU: ``python benchmarks/tune_decode.py [--lengths 131072] [--batches 1 8]``. Prints CUDA-graph
-medians (us) of ``kernels.sparse_attention`` on one PLAS decode selection per setting.
+Run on a GPU: ``python benchmarks/tune_decode.py [--lengths 131072] [--batches 1 8] [--kv bf16 int8 all]``
+(each setting takes a list: ``--programs-per-sm 2 4 8 --max-splits 64 256 --warps 4 8 --block-n 64 128
+--stages 2 3``). Prints CUDA-graph medians (us) of ``kernels.sparse_attention`` on one PLAS decode selection
+per setting.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--kv", nargs="+", default=["bf16", "int8", "all"], choices=["bf16", "int8", "all"])
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--max-splits", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
     default = dict(sparse_decode.TUNING)
     print(f"{torch.cuda.get_device_name()} | triton {triton.__version__} | default {default}")
@@ -52,8 +60,9 @@ def main() -> None:
         }
         print(f"\nlength {length}, batch {batch}, mean blocks per KV head {selection.counts.float().mean():.1f}")
         print(f"{'kv':>5} {'programs/SM':>11} {'max splits':>10} {'warps':>5} {'block_n':>7} {'stages':>6} {'us':>8}")
+        runs = {name: run for name, run in runs.items() if name in args.kv}
         for programs_per_sm, max_splits, warps, block_n, stages in itertools.product(
-                (2, 4, 8), (64, 256), (4, 8), (64, 128), (2, 3)):
+                args.programs_per_sm, args.max_splits, args.warps, args.block_n, args.stages):
             sparse_decode.TUNING.update(programs_per_sm=programs_per_sm, max_splits=max_splits, num_warps=warps,
                                         block_n=block_n, num_stages=stages)
             for name, run in runs.items():

@@ -181,7 +181,7 @@ def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
 # -- sparse attention: decode kernel ---------------------------------------------------------------------------
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("num_queries, rows, splits", [(1, "kv_heads", None), (4, "kv_heads", 3), (2, "q_heads", 1)])
+@pytest.mark.parametrize("num_queries, rows, splits", [(1, "kv_heads", None), (4, "kv_heads", 6), (2, "q_heads", 1)])
 def test_sparse_decode(size, shape, num_queries, rows, splits):
     batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
     dtype = DTYPES[dtype_name]
