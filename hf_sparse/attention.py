@@ -30,9 +30,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for its
 #: last ``PROBE_QUERIES`` only: those see the most blocks, so under a fixed top-k (or a mass threshold) they are
-#: the sparsest part of the call. A probe at or above ``dense_above_density`` runs dense at once, without the
-#: cost of selecting for the rest (which would select at least as densely).
+#: the sparsest part of the call. The selection for the rest is still to be paid then, so a probe runs the call
+#: dense at once from a lower density: :func:`probe_threshold`.
 PROBE_QUERIES = 1024
+
+
+def probe_threshold(dense_above_density: float, selection_share: float) -> float:
+    """Probe density from which a prefill runs dense: where the sparse kernel plus the selection still to run
+    cost what dense attention costs. Sparse attention time grows about in proportion to the density and
+    matches dense at ``dense_above_density``; the selection adds ``selection_share`` of the dense time."""
+    return dense_above_density * max(0.0, 1.0 - selection_share)
 
 
 @functools.lru_cache(maxsize=64)
@@ -409,9 +416,12 @@ def sparse_attention_forward(
         probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,
                        kv_start=kv_start, key_scale=scales.get("key_scale"))
         density = _density(probe, PROBE_QUERIES, probe_offset, kv_start)
-        if density >= config.dense_above_density:
-            return run_dense(f"probe density {density:.3f} (last {PROBE_QUERIES} queries) >= dense_above_density "
-                             f"{config.dense_above_density}")
+        share = policy.selection_share(num_queries, head_dim)
+        threshold = probe_threshold(config.dense_above_density, share)
+        if density >= threshold:
+            return run_dense(f"probe density {density:.3f} (last {PROBE_QUERIES} queries) >= {threshold:.3f} "
+                             f"(dense_above_density {config.dense_above_density} less the selection still to "
+                             f"run, {share:.2f} of dense attention)")
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=kv_start,
                        key_scale=scales.get("key_scale"), **device_length)
     if falls_back:

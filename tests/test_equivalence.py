@@ -264,6 +264,23 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
         dataclasses.replace(dense_config, dense_above_density=1.5)
 
 
+def test_probe_threshold_counts_the_selection_still_to_run():
+    """The probe's dense threshold: dense_above_density less the selection's share of dense time (measured
+    shares: PLAS's falls with queries x head dim, XAttention's scoring is quadratic like attention)."""
+    import hf_sparse.attention as attention
+    from hf_sparse.methods import METHODS
+
+    assert attention.probe_threshold(0.75, 0.0) == 0.75
+    assert attention.probe_threshold(0.75, 0.2) == pytest.approx(0.6)
+    assert attention.probe_threshold(0.75, 1.5) == 0.0
+    plas = METHODS["plas"](hf_sparse.PLASConfig())
+    assert plas.selection_share(32768, 64) == pytest.approx(4 * plas.selection_share(131072, 64))
+    assert plas.selection_share(32768, 64) == pytest.approx(2 * plas.selection_share(32768, 128))
+    assert 0.05 < plas.selection_share(131072, 128) < 0.1 < plas.selection_share(32768, 64) < 0.5
+    xattn = METHODS["xattn"](hf_sparse.XAttnConfig())
+    assert xattn.selection_share(32768, 64) == xattn.selection_share(131072, 128) == xattn.SELECTION_SHARE
+
+
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 def test_density_probe_decides_long_prefills(method, monkeypatch):
     """A long prefill first selects for its last PROBE_QUERIES queries: a dense probe runs sdpa (exactly) without
@@ -289,9 +306,17 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
             out = sparse(ids).logits
         assert torch.equal(out, dense(ids).logits)
         assert calls == [64, 64]  # one probe per layer, no full selection
-        assert all(r.startswith("probe density 1.000 (last 64 queries) >= dense_above_density 0.75")
+        assert all(r.startswith("probe density 1.000 (last 64 queries) >= ") and "dense_above_density 0.75" in r
                    for r in rec.dense_layers("prefill").values()) and len(rec.dense_layers("prefill")) == 2
         hf_sparse.configure(sparse, sparse_config)
+        # a sparse probe: dense only where the selection still to run would cost more than dense attention
+        monkeypatch.setattr(policy, "selection_share", lambda self, num_queries, head_dim: 1.0)
+        calls.clear()
+        with hf_sparse.record_sparsity() as rec:
+            assert torch.equal(sparse(ids).logits, dense(ids).logits)
+        assert calls == [64, 64] and all("less the selection still to run, 1.00 of dense attention" in r
+                                         for r in rec.dense_layers("prefill").values())
+        monkeypatch.setattr(policy, "selection_share", lambda self, num_queries, head_dim: 0.0)
         calls.clear()
         with hf_sparse.record_sparsity() as rec:
             probed = sparse(ids).logits

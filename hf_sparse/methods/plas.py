@@ -19,9 +19,17 @@ class PLASMethod:
     """
 
     name = "plas"
+    #: Prefill selection time over dense causal attention time, times queries x head dim: the selection grows
+    #: with queries x blocks, dense attention with queries^2 x head dim (H100, bf16, 32K-128K, head dims 64 and
+    #: 128: 6.2e5-1.1e6; benchmarks/density_crossover.py, docs/benchmarks.md "Density crossover").
+    SELECTION_COST = 9.0e5
 
     def __init__(self, config: PLASConfig) -> None:
         self.config = config
+
+    def selection_share(self, num_queries: int, head_dim: int) -> float:
+        """Estimated prefill selection time for ``num_queries`` queries, as a share of dense attention's."""
+        return self.SELECTION_COST / max(1, num_queries * head_dim)
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,

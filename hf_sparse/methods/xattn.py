@@ -21,9 +21,17 @@ class XAttnMethod:
     """
 
     name = "xattn"
+    #: Prefill scoring + selection time over dense causal attention time: the strided scores are quadratic in
+    #: the queries like attention itself, so a share (H100, bf16: 0.17-0.29 at head dim 128, 32K-128K; 0.34 at
+    #: head dim 64, 128K; docs/benchmarks.md "Density crossover").
+    SELECTION_SHARE = 0.3
 
     def __init__(self, config: XAttnConfig) -> None:
         self.config = config
+
+    def selection_share(self, num_queries: int, head_dim: int) -> float:
+        """Estimated prefill selection time for ``num_queries`` queries, as a share of dense attention's."""
+        return self.SELECTION_SHARE
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
