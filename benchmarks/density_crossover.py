@@ -2,10 +2,12 @@
 
 Run on a GPU: ``python benchmarks/density_crossover.py [--lengths 32768 131072] [--shapes llama smollm2]``.
 For each attention shape and length: cuDNN dense causal prefill, the PLAS prefill selection (summaries +
-select_blocks, defaults of PLASConfig), and ``kernels.sparse_attention`` over random block masks of a given
-density (each causal block of each query head's tile kept with probability p; diagonal and sink blocks always).
-Prints medians (ms) and the densities where attend alone, and selection + attend, cost what cuDNN costs
-(linear interpolation): the first is the break-even after a selection is made, the second before it.
+select_blocks, defaults of PLASConfig), the XAttention prefill selection (``XAttnMethod.select_prefill``,
+defaults of XAttnConfig), and ``kernels.sparse_attention`` over random block masks of a given density (each
+causal block of each query head's tile kept with probability p; diagonal and sink blocks always). Prints medians
+(ms), each selection's share of the dense time (what ``selection_share`` of the methods estimates), and the
+densities where attend alone, and PLAS selection + attend, cost what cuDNN costs (linear interpolation): the
+first is the break-even after a selection is made, the second before it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch
 import triton
 
 from hf_sparse import kernels
+from hf_sparse.config import PLASConfig, XAttnConfig
+from hf_sparse.methods import METHODS
 from hf_sparse.selection import BlockSelection
 
 from bench_attention import best_sdpa, median_ms
@@ -46,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("density_crossover.py measures GPU timings; no CUDA device found")
@@ -69,11 +74,18 @@ def main() -> None:
                                              block_size=BLOCK, top_k=TOP_K, query_tile=TILE, head_union=False,
                                              sink_blocks=1)
             select_ms = median_ms(select)
+            xattn = METHODS["xattn"](XAttnConfig())
+            xattn_ms = median_ms(lambda: xattn.select_prefill(query, None, key, scale=scale, q_offset=0,
+                                                              kv_start=kv_start))
+            plas_share = select_ms / dense_ms
+            estimate = METHODS["plas"](PLASConfig()).selection_share(length, dim), xattn.selection_share(length, dim)
             print(f"\n{shape} ({q_heads} q / {kv_heads} KV heads, d {dim}), length {length}: dense {backend} "
-                  f"{dense_ms:.2f} ms, PLAS selection {select_ms:.2f} ms")
+                  f"{dense_ms:.2f} ms, PLAS selection {select_ms:.2f} ms ({plas_share:.3f} of dense, estimate "
+                  f"{estimate[0]:.3f}), XAttention selection {xattn_ms:.2f} ms ({xattn_ms / dense_ms:.3f}, estimate "
+                  f"{estimate[1]:.3f})")
             print(f"{'density':>7} {'attend ms':>9} {'attend/dense':>12} {'(sel+attend)/dense':>18}")
             measured, attend_ratios, total_ratios = [], [], []
-            for target in DENSITIES:
+            for target in args.densities:
                 selection = random_selection(q_heads, length, target, gen)
                 causal = q_heads * (selection.num_query_tiles * (selection.num_query_tiles + 1) // 2)
                 density = selection.counts.sum().item() / causal
@@ -84,13 +96,16 @@ def main() -> None:
                 total_ratios.append((select_ms + attend_ms) / dense_ms)
                 print(f"{density:>7.3f} {attend_ms:>9.2f} {attend_ratios[-1]:>12.3f} {total_ratios[-1]:>18.3f}")
                 del selection
-            summary.append((shape, length, crossover(measured, attend_ratios), crossover(measured, total_ratios)))
+            summary.append((shape, length, crossover(measured, attend_ratios), crossover(measured, total_ratios),
+                            plas_share, xattn_ms / dense_ms))
             del query, key, value
             torch.cuda.empty_cache()
     print("\nbreak-even density (sparse time = dense cuDNN time)")
-    print(f"{'shape':>8} {'length':>7} {'attend only':>11} {'select + attend':>15}")
-    for shape, length, attend_only, total in summary:
-        print(f"{shape:>8} {length:>7} {attend_only:>11.3f} {total:>15.3f}")
+    print(f"{'shape':>8} {'length':>7} {'attend only':>11} {'select + attend':>15} | selection / dense: "
+          f"{'PLAS':>6} {'XAttention':>10}")
+    for shape, length, attend_only, total, plas_share, xattn_share in summary:
+        print(f"{shape:>8} {length:>7} {attend_only:>11.3f} {total:>15.3f} | {'':>18} {plas_share:>6.3f} "
+              f"{xattn_share:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ DECODE_MAX_QUERY = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for its
-#: last ``PROBE_QUERIES`` only: those see the most blocks, so under a fixed top-k (or a mass threshold) they are
-#: the sparsest part of the call. The selection for the rest is still to be paid then, so a probe runs the call
-#: dense at once from a lower density: :func:`probe_threshold`.
+#: last ``PROBE_QUERIES`` only, a cheap estimate of the call's density (those queries see the most blocks; on
+#: SmolLM2's text they read above the full selection at 128K and below it at 32K, docs/benchmarks.md "Late run",
+#: so a sparse probe is followed by the full selection's own check). The selection for the rest is still to be
+#: paid at the probe, so it runs the call dense from a lower density: :func:`probe_threshold`.
 PROBE_QUERIES = 1024
 
 

@@ -139,8 +139,8 @@ class PLASConfig(_MethodConfig):
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
-            4096 tokens are probed first: if the selection of their last 1024 queries (they see the most blocks,
-            so they are usually the sparsest part) keeps this fraction less the share of dense time the rest of
+            4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
+            call's density) keeps this fraction less the share of dense time the rest of
             the selection would take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens
             about 0.43, at 128K 0.67), the call runs dense (exact) without selecting for the rest.
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
@@ -262,8 +262,8 @@ class XAttnConfig(_MethodConfig):
         dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
-            4096 tokens are probed first: if the selection of their last 1024 queries (they see the most blocks,
-            so they are usually the sparsest part) keeps this fraction less the share of dense time the rest of
+            4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
+            call's density) keeps this fraction less the share of dense time the rest of
             the selection would take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens
             about 0.43, at 128K 0.67), the call runs dense (exact) without selecting for the rest.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
