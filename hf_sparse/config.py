@@ -140,9 +140,9 @@ class PLASConfig(_MethodConfig):
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
             4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
-            call's density) keeps this fraction less the share of dense time the rest of
-            the selection would take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens
-            about 0.43, at 128K 0.67), the call runs dense (exact) without selecting for the rest.
+            call's density) keeps this fraction less the share of dense time the rest of the selection would
+            take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens about 0.43, at 128K
+            0.67), the call runs dense (exact) without selecting for the rest.
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
             decode step from a captured CUDA graph once the sequence is past ``dense_below``
@@ -263,9 +263,9 @@ class XAttnConfig(_MethodConfig):
             causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
             Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
             4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
-            call's density) keeps this fraction less the share of dense time the rest of
-            the selection would take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens
-            about 0.43, at 128K 0.67), the call runs dense (exact) without selecting for the rest.
+            call's density) keeps this fraction less the share of dense time the rest of the selection would
+            take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens about 0.43, at 128K
+            0.67), the call runs dense (exact) without selecting for the rest.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
     """
 

@@ -15,13 +15,14 @@ class PLASMethod:
     The method protocol (shared by every file in ``methods/``): ``config`` with ``block_size``,
     ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
-    int8), returning a :class:`BlockSelection`.
+    int8), returning a :class:`BlockSelection`; methods whose config has ``dense_above_density`` also give
+    ``selection_share(num_queries, head_dim)`` for the density probe.
     """
 
     name = "plas"
     #: Prefill selection time over dense causal attention time, times queries x head dim: the selection grows
-    #: with queries x blocks, dense attention with queries^2 x head dim (H100, bf16, 32K-128K, head dims 64 and
-    #: 128: 6.2e5-1.1e6; benchmarks/density_crossover.py, docs/benchmarks.md "Density crossover").
+    #: about with the queries, dense attention with queries^2 x head dim (H100, bf16, 32K-128K, head dims 64 and
+    #: 128: 6.2e5-1.1e6 against cuDNN; benchmarks/density_crossover.py, docs/benchmarks.md "Late run").
     SELECTION_COST = 9.0e5
 
     def __init__(self, config: PLASConfig) -> None:

@@ -22,8 +22,9 @@ class XAttnMethod:
 
     name = "xattn"
     #: Prefill scoring + selection time over dense causal attention time: the strided scores are quadratic in
-    #: the queries like attention itself, so a share (H100, bf16: 0.17-0.29 at head dim 128, 32K-128K; 0.34 at
-    #: head dim 64, 128K; docs/benchmarks.md "Density crossover").
+    #: the queries like attention itself, so a share. Against cuDNN (H100, bf16, 32K-128K): 0.17-0.26 at head
+    #: dim 128, 0.40-0.78 at head dim 64; a model's own sdpa (FlashAttention first) is slower, and on SmolLM2
+    #: (head dim 64) running XAttention's layers sparse at 32K beat sdpa (docs/benchmarks.md "Late run").
     SELECTION_SHARE = 0.3
 
     def __init__(self, config: XAttnConfig) -> None:
