@@ -74,7 +74,6 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summarized_blocks = 0
         self._summary_source: tuple[Any, ...] | None = None
         self.kv_start: torch.Tensor | None = None
-        self._padding_range = (0, 0)
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -176,7 +175,7 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.kv_start is None:
             self.set_padding(kv_start)
         kv_start = self.kv_start
-        least_pad, most_pad = self._padding_range
+        least_pad, most_pad = reference.kv_start_range(kv_start)  # its note: no host read
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
         if full_blocks > self.summarized_blocks:
@@ -188,8 +187,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def set_padding(self, kv_start: torch.Tensor) -> None:
         """Take the sequence's padding layout (left-padding slots per row; one host read per sequence)."""
-        self._padding_range = reference.kv_start_range(kv_start)
-        self.kv_start = reference.note_range(kv_start.clone(), *self._padding_range)
+        self.kv_start = reference.note_range(kv_start.clone(), *reference.kv_start_range(kv_start))
         self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
@@ -237,7 +235,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.length = new_length
         if self.device_length is not None:
             self.device_length.fill_(new_length)
-        self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - self._padding_range[1]) // self.block_size)
+        most_pad = reference.kv_start_range(self.kv_start)[1] if self.kv_start is not None else 0
+        self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - most_pad) // self.block_size)
         if new_length == 0:
             self.reset()
             return
@@ -255,8 +254,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.kv_start is not None:
             self.kv_start = fn(self.kv_start)
-            self._padding_range = reference.kv_start_range(self.kv_start)
-            reference.note_range(self.kv_start, *self._padding_range)
+            reference.note_range(self.kv_start, *reference.kv_start_range(self.kv_start))
         self.version += 1
         self._views()
 
