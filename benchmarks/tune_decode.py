@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
-    default = dict(sparse_decode.TUNING)
-    print(f"{torch.cuda.get_device_name()} | triton {triton.__version__} | default {default}")
+    default, int8_default = dict(sparse_decode.TUNING), dict(sparse_decode.TUNING_INT8)
+    sparse_decode.TUNING_INT8.clear()  # every setting below applies to int8 K/V too
+    print(f"{torch.cuda.get_device_name()} | triton {triton.__version__} | default {default}, int8 {int8_default}")
     for length, batch in itertools.product(args.lengths, args.batches):
         query, key, value = structured_qkv(batch, 1, length, structured=True)
         kv_start = torch.zeros(batch, dtype=torch.int64, device="cuda")
@@ -72,6 +73,7 @@ def main() -> None:
         sparse_decode.TUNING.update(default)
         del query, key, value, key8, value8, summ, selection, every_block
         torch.cuda.empty_cache()
+    sparse_decode.TUNING_INT8.update(int8_default)
 
 
 if __name__ == "__main__":

@@ -422,7 +422,7 @@ def test_dispatch_runs_triton_and_matches_reference(monkeypatch, num_queries):
 @pytest.mark.parametrize("logn, skip_rows, int8, alibi", [(True, False, False, False), (False, True, False, False),
                                                           (False, False, True, False), (False, False, False, True),
                                                           (True, True, True, True)])
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], (3, 8, 2, 64, 128, "fp16")])
 def test_sparse_attention_features(size, op, num_queries, splits, logn, skip_rows, int8, alibi, shape):
     """logN-scaled scores (per query position); skipped rows, whose poisoned outputs must stay poisoned; int8
     K/V with per-token scales, dequantised in the kernel, against the reference on the dequantised values;

@@ -13,27 +13,36 @@ import triton.language as tl
 from ._common import next_power_of_2
 
 
+#: Parts loaded per step of the merge: their loads are issued together (one L2 round trip per step, not
+#: one per part; the split decode merges up to 64 parts on its critical path).
+PARTS_PER_STEP = tl.constexpr(4)
+
+
 @triton.jit
 def _merge_parts(lse_ptrs, part_ptrs, stride_lse_n, stride_part_n, num_parts, row_ok, d_ok,
                  ROWS: tl.constexpr, D_PAD: tl.constexpr):
     """Merge ``num_parts`` partial results of ``ROWS`` rows: ``lse_ptrs`` ``[ROWS]`` and ``part_ptrs``
     ``[ROWS, D_PAD]`` point at part 0 (part n is ``stride_*_n`` further). Returns the float32 merged output
-    ``[ROWS, D_PAD]`` and lse ``[ROWS]``; a row with no part seen is zero with lse -inf. Loads bypass L1
-    (``.cg``), so parts other programs of the same launch wrote are read correctly."""
+    ``[ROWS, D_PAD]`` and lse ``[ROWS]``; a row with no part seen is zero with lse -inf. One pass with a
+    running maximum, ``PARTS_PER_STEP`` parts per step. Loads bypass L1 (``.cg``), so parts other programs of
+    the same launch wrote are read correctly."""
     top = tl.full([ROWS], float("-inf"), tl.float32)
-    for n in range(0, num_parts):
-        top = tl.maximum(top, tl.load(lse_ptrs + n * stride_lse_n, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    for n in range(0, num_parts):
-        weight = tl.exp(tl.load(lse_ptrs + n * stride_lse_n, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg") - top_safe)
-        part = tl.load(part_ptrs + n * stride_part_n, mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                       cache_modifier=".cg")
-        acc += weight[:, None] * part.to(tl.float32)
-        total += weight
+    for n0 in range(0, num_parts, PARTS_PER_STEP):
+        for j in tl.static_range(PARTS_PER_STEP):
+            ok = row_ok & (tl.zeros([ROWS], tl.int32) + (n0 + j) < num_parts)
+            lse = tl.load(lse_ptrs + (n0 + j) * stride_lse_n, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_ptrs + (n0 + j) * stride_part_n, mask=ok[:, None] & d_ok[None, :], other=0.0,
+                           cache_modifier=".cg")
+            new_top = tl.maximum(top, lse)
+            new_safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+            keep = tl.exp(top - new_safe)  # 0 while nothing was seen
+            weight = tl.exp(lse - new_safe)
+            acc = acc * keep[:, None] + weight[:, None] * part.to(tl.float32)
+            total = total * keep + weight
+            top = new_top
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     merged = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))

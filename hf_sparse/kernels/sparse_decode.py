@@ -26,8 +26,10 @@ from .sparse_prefill import _attend_entries, _finish
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
-#: Launch settings (H100 defaults; benchmarks/bench_attention.py can try others).
+#: Launch settings (H100 defaults; benchmarks/tune_decode.py measures others).
 TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "max_splits": 64}
+#: Overrides for int8 K/V, whose tiles take half the shared memory: a third stage (H100, 128K, docs/features.md).
+TUNING_INT8 = {"num_stages": 3}
 
 
 @triton.jit
@@ -202,7 +204,8 @@ def sparse_decode(
     length_arg = check_length(length, query.device)
     if length is not None:
         q_offset = key_length = 0  # read from `length` in the kernel
-    configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(TUNING["block_n"], TUNING["num_stages"])]
+    tuning = {**TUNING, **TUNING_INT8} if key.dtype == torch.int8 else TUNING
+    configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(tuning["block_n"], tuning["num_stages"])]
     configs += [(64, 2), (32, 2), (32, 1), (16, 1)]
     for block_n, stages in configs:
         block_n = min(block_n, selection.block_size)
@@ -224,7 +227,7 @@ def sparse_decode(
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 ALIBI=alibi_slopes is not None, MERGE=splits > 1,
-                DEVICE_LENGTH=length is not None, num_warps=TUNING["num_warps"], num_stages=stages,
+                DEVICE_LENGTH=length is not None, num_warps=tuning["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller
