@@ -194,14 +194,15 @@ def _decode_select_kernel(
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
     SINK_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
-    DEVICE_LENGTH: tl.constexpr,
+    DEVICE_LENGTH: tl.constexpr, SEARCH_ROWS: tl.constexpr,
 ):
     """Selection of a call with one query tile of few rows (decode), in one launch.
 
     One program per (selection row, chunk of NB_CHUNK blocks) writes the chunk's scaled, masked logits to
     LOGITS (one program per row would read the whole summary row through one SM); the last program of a
-    row to finish (a ticket per row, reset by it) reads the row's logits back and selects. With
-    DEVICE_LENGTH the key length (and so the query offset) is read from LENGTH.
+    row to finish (a ticket per row, reset by it) reads the row's logits back and selects, over its
+    ``SEARCH_ROWS`` (the real rows, padded to a power of two; the logits need ``BLOCK_Q >= 16`` rows for the
+    dot, the search does not). With DEVICE_LENGTH the key length (and so the query offset) is read from LENGTH.
     """
     row_id = tl.program_id(0)
     blocks = tl.program_id(1) * NB_CHUNK + tl.arange(0, NB_CHUNK)
@@ -234,8 +235,14 @@ def _decode_select_kernel(
     ticket = tl.atomic_add(TICKETS + row_id, 1, sem="acq_rel")
     if ticket == chunks - 1:
         all_blocks = tl.arange(0, NB_PAD)
-        row = tl.load(row_logits + all_blocks[None, :], cache_modifier=".cg")
-        chosen = _choose(row, row_last, own_block, all_blocks, top_left, top_right, search_steps, SINK_BLOCKS)
+        s_rows = tl.arange(0, SEARCH_ROWS)  # new names: the rows above are BLOCK_Q long
+        s_query = pad_q + s_rows % QUERY_TILE
+        s_real = (s_rows < ROWS) & (s_query < num_queries)
+        s_own = (q_offset + s_query - kv_start) // BLOCK_SIZE
+        s_last = tl.where(s_real, tl.minimum(s_own, last_block), -1)
+        row = tl.load(LOGITS + (row_id * BLOCK_Q + s_rows[:, None]).to(tl.int64) * NB_PAD + all_blocks[None, :],
+                      cache_modifier=".cg")
+        chosen = _choose(row, s_last, s_own, all_blocks, top_left, top_right, search_steps, SINK_BLOCKS)
         _store_selection(tl.max(chosen.to(tl.int32), 0), all_blocks,
                          INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih, stride_ik,
                          COUNTS + b * stride_cb + sel_head * stride_ch, num_blocks, NB_PAD)
@@ -382,7 +389,7 @@ def select_blocks(
                 *query.stride(), *summaries.stride(), indices.stride(0), indices.stride(1), indices.stride(3),
                 counts.stride(0), counts.stride(1), *args, left, right, search_steps, nb_pad // nb_chunk,
                 NB_CHUNK=nb_chunk, D_CHUNK=min(d_pad, 64), DEVICE_LENGTH=length is not None, num_warps=warps,
-                **shape_args,
+                SEARCH_ROWS=next_power_of_2(rows), **shape_args,
             )
             continue
         if length is not None:
