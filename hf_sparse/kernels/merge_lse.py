@@ -31,6 +31,7 @@ def _merge_parts(lse_ptrs, part_ptrs, stride_lse_n, stride_part_n, num_parts, ro
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     for n0 in range(0, num_parts, PARTS_PER_STEP):
         for j in tl.static_range(PARTS_PER_STEP):
+            # a [ROWS] vector: the interpreter rejects a mask and-ed with a scalar condition
             ok = row_ok & (tl.zeros([ROWS], tl.int32) + (n0 + j) < num_parts)
             lse = tl.load(lse_ptrs + (n0 + j) * stride_lse_n, mask=ok, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(part_ptrs + (n0 + j) * stride_part_n, mask=ok[:, None] & d_ok[None, :], other=0.0,
