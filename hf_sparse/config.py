@@ -259,13 +259,8 @@ class XAttnConfig(_MethodConfig):
         kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
             ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels,
             the prefill scoring included).
-        dense_above_density: on CUDA, a prefill call whose selection keeps at least this fraction of the
-            causal blocks runs dense (sdpa) instead, where the sparse kernel would be slower; ``None`` never.
-            Costs one device-to-host read per sparse prefill call; decode never falls back. Prompts of at least
-            4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
-            call's density) keeps this fraction less the share of dense time the rest of the selection would
-            take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens about 0.43, at 128K
-            0.67), the call runs dense (exact) without selecting for the rest.
+        dense_above_density: as :class:`PLASConfig`'s; XAttention's scoring is counted as 0.3 of dense
+            attention at the probe (``XAttnMethod.SELECTION_SHARE``), so the default probe threshold is 0.525.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
     """
 
