@@ -144,7 +144,7 @@ def flex_block_mask(selection: BlockSelection, num_queries: int, length: int):
 
 def prefill_row(length: int, flex, tune: bool) -> dict:
     query, key, value = structured_qkv(1, length, length, structured=True)
-    kv_start = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kv_start = ref.note_range(torch.zeros(1, dtype=torch.int64, device="cuda"), 0, 0)
     scale = HEAD_DIM ** -0.5
 
     def summaries():
@@ -176,6 +176,13 @@ def prefill_row(length: int, flex, tune: bool) -> dict:
         del block_mask
     if tune:
         row["tuning"] = tune_prefill(selection, attend)
+    # int8 K/V, values blocked (the int8 cache's layout) and token-major: the same selection's attention
+    (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+    for name, values in (("int8", ref.blocked_values(value8, BLOCK)), ("int8_tokens", value8)):
+        row[f"sparse_{name}_ms"] = median_ms(lambda: kernels.sparse_attention(
+            query, key8, values, selection, scale=scale, q_offset=0, kv_start=kv_start, key_scale=key_scale,
+            value_scale=value_scale))
+    del key8, value8, key_scale, value_scale, values
     # density of the same selection on i.i.d. random q/k (no structure): what the union does to it
     q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
     summ_iid = kernels.block_summaries(k_iid, None, kv_start, BLOCK)
@@ -286,7 +293,7 @@ def tune_select(summ, select) -> list:
 
 def decode_row(length: int, batch: int, tune: bool) -> dict:
     query, key, value = structured_qkv(batch, 1, length, structured=True)
-    kv_start = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    kv_start = ref.note_range(torch.zeros(batch, dtype=torch.int64, device="cuda"), 0, 0)  # no host read in graphs
     scale = HEAD_DIM ** -0.5
     num_blocks = triton.cdiv(length, BLOCK)
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)  # kept by the cache between steps
@@ -327,16 +334,18 @@ def decode_row(length: int, batch: int, tune: bool) -> dict:
         query_tile=1, head_union=True, sink_blocks=1, key_length=length))
     row["attend_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(query, key, value, selection, scale=scale,
                                                                        q_offset=length - 1, kv_start=kv_start))
-    # int8 K/V (per-token scales, dequantised in the kernel): the same selection's attention
+    # int8 K/V (per-token scales, dequantised in the kernel): the same selection's attention, values blocked as
+    # the int8 SparseCache stores them and token-major
     (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
     int8 = dict(key_scale=key_scale, value_scale=value_scale)
-    out8, _ = kernels.sparse_attention(query, key8, value8, selection, scale=scale, q_offset=length - 1,
-                                       kv_start=kv_start, **int8)
-    row["int8_rel_error"] = ((out8.float() - expected.float()).norm() / expected.float().norm()).item()
-    row["attend_int8_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(
-        query, key8, value8, selection, scale=scale, q_offset=length - 1, kv_start=kv_start, **int8))
+    for name, values in (("int8", ref.blocked_values(value8, BLOCK)), ("int8_tokens", value8)):
+        out8, _ = kernels.sparse_attention(query, key8, values, selection, scale=scale, q_offset=length - 1,
+                                           kv_start=kv_start, **int8)
+        row[f"{name}_rel_error"] = ((out8.float() - expected.float()).norm() / expected.float().norm()).item()
+        row[f"attend_{name}_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(
+            query, key8, values, selection, scale=scale, q_offset=length - 1, kv_start=kv_start, **int8))
     row["int8_kv_bytes"] = blocks_read * BLOCK * (HEAD_DIM + 4) * 2
-    del key8, value8, key_scale, value_scale, out8
+    del key8, value8, key_scale, value_scale, out8, values
     row["dense_bytes"] = batch * KV_HEADS * length * HEAD_DIM * 2 * 2
     row["kv_bytes"], row["summary_bytes"] = kv_bytes, summary_bytes
     row["sdpa_gbps"] = row["dense_bytes"] / row["sdpa_ms"] / 1e6
@@ -452,12 +461,22 @@ def main() -> None:
               f"{r['attend_graph_ms'] * 1e3:>6.1f} {r['kv_bytes'] / r['attend_graph_ms'] / 1e6:>5.0f} "
               f"{r['sparse_graph_ms'] * 1e3:>7.1f} {kv_total / r['sparse_graph_ms'] / 1e6:>5.0f} "
               f"{r['sdpa_graph_ms'] / r['sparse_graph_ms']:>5.2f}x")
-    print("decode attention with int8 K/V (per-token scales, dequantised in the kernel), graph, us: "
-          "bf16 attend -> int8 attend (speed-up, GB/s on int8 bytes, error vs the bf16 reference)")
+    if decode_rows:
+        print("decode attention with int8 K/V (per-token scales, dequantised in the kernel), graph, us: bf16 attend "
+              "-> int8 attend, values blocked as the int8 cache stores them (speed-up, GB/s on int8 bytes, error vs "
+              "the bf16 reference); int8 with token-major values")
     for r in decode_rows:
         print(f"{r['length']:>7} {r['batch']:>5} {r['attend_graph_ms'] * 1e3:>7.1f} -> {r['attend_int8_graph_ms'] * 1e3:>7.1f} "
               f"({r['attend_graph_ms'] / r['attend_int8_graph_ms']:.2f}x, "
-              f"{r['int8_kv_bytes'] / r['attend_int8_graph_ms'] / 1e6:.0f} GB/s, rel error {r['int8_rel_error']:.4f})")
+              f"{r['int8_kv_bytes'] / r['attend_int8_graph_ms'] / 1e6:.0f} GB/s, rel error {r['int8_rel_error']:.4f}); "
+              f"token-major {r['attend_int8_tokens_graph_ms'] * 1e3:.1f} "
+              f"({r['attend_graph_ms'] / r['attend_int8_tokens_graph_ms']:.2f}x)")
+    if prefill_rows:
+        print("prefill attention with int8 K/V, ms: bf16 attend -> int8 attend, values blocked (speed-up); token-major")
+    for r in prefill_rows:
+        print(f"{r['length']:>7} {r['sparse_ms']:>7.2f} -> {r['sparse_int8_ms']:>7.2f} "
+              f"({r['sparse_ms'] / r['sparse_int8_ms']:.2f}x); token-major {r['sparse_int8_tokens_ms']:.2f} "
+              f"({r['sparse_ms'] / r['sparse_int8_tokens_ms']:.2f}x)")
     if args.tune:
         for r in prefill_rows:
             if "tuning" in r:

@@ -1,7 +1,8 @@
 """Per-step decode time of a Llama-3-8B-shaped model (random weights) at one context length: "sdpa" eager,
-"plas" eager (dynamic SparseCache) and "plas" with CUDA-graph decode (static SparseCache, hf_sparse.graphs).
+"plas" eager (dynamic SparseCache) and "plas" with CUDA-graph decode (static SparseCache, hf_sparse.graphs);
+the ``-int8`` variants use an int8 SparseCache.
 
-    python benchmarks/profile_graph_decode.py --length 32768 --steps 32
+    python benchmarks/profile_graph_decode.py --length 32768 --steps 32 [--variants sdpa plas-graph plas-graph-int8]
 
 Prints the prefill time of each variant and, per decode step, the wall time (synchronised); for the graph variant
 step 1 is the eager warm-up and step 2 the capture plus its replay. Medians over the steps after those.
@@ -50,11 +51,15 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=["sdpa", "plas-eager", "plas-graph"],
+                        choices=["sdpa", "plas-eager", "plas-graph", "plas-eager-int8", "plas-graph-int8"])
     args = parser.parse_args()
+    if "sdpa" not in args.variants:
+        parser.error("--variants needs sdpa (the reference of the ratios)")
     model = llama3_8b_model(args.layers)
     ids = torch.randint(0, 128256, (1, args.length), generator=torch.Generator().manual_seed(1)).cuda()
     results = {}
-    for name in ("sdpa", "plas-eager", "plas-graph", "sdpa", "plas-eager", "plas-graph"):
+    for name in args.variants * 2:
         graphs.uninstall(model)
         gc.collect()  # the previous variant's cache and graph sit in reference cycles
         torch.cuda.empty_cache()
@@ -62,9 +67,11 @@ def main() -> None:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
         else:
-            hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=name == "plas-graph"))
-            static = args.length + args.steps + 1 if name == "plas-graph" else None
-            cache = hf_sparse.SparseCache(model.config, max_cache_len=static)
+            graph = name.startswith("plas-graph")
+            hf_sparse.configure(model, hf_sparse.PLASConfig(decode_cuda_graph=graph))
+            static = args.length + args.steps + 1 if graph else None
+            cache = hf_sparse.SparseCache(model.config, max_cache_len=static,
+                                          kv_dtype="int8" if name.endswith("int8") else "auto")
             if static:
                 graphs.install(model)
         before = graphs.stats(model).replays if graphs.stats(model) else 0

@@ -38,13 +38,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | triton {triton.__version__} | default {default}, int8 {int8_default}")
     for length, batch in itertools.product(args.lengths, args.batches):
         query, key, value = structured_qkv(batch, 1, length, structured=True)
-        kv_start = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        kv_start = ref.note_range(torch.zeros(batch, dtype=torch.int64, device="cuda"), 0, 0)  # no host read in graphs
         scale = HEAD_DIM ** -0.5
         summ = kernels.block_summaries(key, None, kv_start, BLOCK)
         selection = kernels.select_blocks(query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start,
                                           block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
                                           sink_blocks=1, key_length=length)
         (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        value8 = ref.blocked_values(value8, BLOCK)  # as the int8 cache stores them
         blocks = summ.shape[2]
         every_block = BlockSelection(  # the dense layer of a CUDA-graph decode step: all blocks, one row per KV head
             indices=torch.arange(blocks, dtype=torch.int32, device="cuda").expand(batch, key.shape[1], 1, blocks),

@@ -244,7 +244,9 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
 def dequantized_kv(key: torch.Tensor, value: torch.Tensor, cache_layer: Any,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 cache layer's K/V in ``dtype``: a copy, for the dense fallback (short sequences, few layers)."""
+    """An int8 cache layer's K/V in ``dtype`` (values token-major): a copy, for the dense fallback (short
+    sequences, few layers)."""
+    value = kernels.reference.token_values(value, key.shape[2])
     return (kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(dtype),
             kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(dtype))
 
@@ -398,6 +400,9 @@ def sparse_attention_forward(
         )
     scales = {}
     if quantized:
+        if cache_layer.kv_start is None:  # the sequence's padding picks the int8 values' layout (SparseCacheLayer)
+            cache_layer.set_padding(kv_start)
+        value = cache_layer.values  # in the layout now kept
         scales = {"key_scale": cache_layer.key_scales, "value_scale": cache_layer.value_scales}
     device_length = {}
     if on_device:  # static storage and lengths read on the device (CUDA-graph safe)

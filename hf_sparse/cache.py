@@ -37,8 +37,14 @@ class SparseCacheLayer(CacheLayerMixin):
     With ``kv_dtype="int8"`` K and V are stored as int8 with one float32 scale per (batch, head, token)
     (``key_scale_storage`` / ``value_scale_storage`` ``[B, H, capacity]``): each token is quantised once, when
     appended, so a filling block never needs requantising, and a scale folds into the kernels' score and
-    probability columns. :meth:`update` returns the int8 views; the attention function reads the scales
-    from the layer (``key_scales`` / ``value_scales``). Summaries are computed from the dequantised keys.
+    probability columns. int8 values are stored blocked, ``[B, H, capacity // block_size, D, block_size]``
+    (``kernels.reference.blocked_values``: each block's slots contiguous per channel, the order the kernels
+    read int8 values in), unless the padding layout taken by :meth:`set_padding` starts rows at different
+    slots (or off the block grid): then token-major ``[B, H, capacity, D]``, since the kernels would read
+    blocked values of such rows byte by byte. Both layouts give the same results. :meth:`update` returns the
+    int8 views (keys ``[B, H, length, D]``, blocked values as the blocks holding ``length`` slots); the
+    attention function reads the scales from the layer (``key_scales`` / ``value_scales``). Summaries are
+    computed from the dequantised keys.
 
     With ``max_cache_len`` the layer is static: storage for that many tokens is allocated once, new states are
     written at the positions of ``device_length`` (the valid-slot count kept on the device), and decode can
@@ -97,7 +103,11 @@ class SparseCacheLayer(CacheLayerMixin):
         batch, heads = key_states.shape[:2]
         storage_dtype = torch.int8 if self.quantized else key_states.dtype
         keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1], dtype=storage_dtype)
-        values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
+        if self.values_blocked:  # new_capacity is a whole number of blocks
+            values = value_states.new_zeros(batch, heads, new_capacity // self.block_size, value_states.shape[-1],
+                                            self.block_size, dtype=storage_dtype)
+        else:
+            values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
         if self.quantized:
             key_scales = torch.zeros(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
             value_scales = torch.zeros_like(key_scales)
@@ -109,16 +119,32 @@ class SparseCacheLayer(CacheLayerMixin):
                                 dtype=torch.float32, device=key_states.device)
         if self.length:
             keys[:, :, : self.length] = self.key_storage[:, :, : self.length]
-            values[:, :, : self.length] = self.value_storage[:, :, : self.length]
+            kept = reference.leading_values(self.value_storage, self.length)
+            values[:, :, : kept.shape[2]] = kept
         if self.summary_storage is not None:
             summaries[:, :, : self.summary_storage.shape[2]] = self.summary_storage
         self.key_storage, self.value_storage, self.summary_storage = keys, values, summaries
         self.capacity = new_capacity
         self.version += 1
 
+    @property
+    def values_blocked(self) -> bool:
+        """Whether the int8 values are (or, before the first states, will be) stored blocked."""
+        return self.quantized and (self.value_storage is None or self.value_storage.dim() == 5)
+
+    def _lay_out_values(self, blocked: bool) -> None:
+        """Store the int8 values blocked or token-major (one copy of the storage when the layout changes)."""
+        if self.value_storage is None or self.values_blocked == blocked:
+            return
+        if blocked:
+            self.value_storage = reference.blocked_values(self.value_storage, self.block_size)
+        else:
+            self.value_storage = reference.token_values(self.value_storage, self.capacity).contiguous()
+        self._views()
+
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys = self.key_storage[:, :, : self.length]
-        self.values = self.value_storage[:, :, : self.length]
+        self.values = reference.leading_values(self.value_storage, self.length)
         if self.quantized:
             self.key_scales = self.key_scale_storage[:, :, : self.length]
             self.value_scales = self.value_scale_storage[:, :, : self.length]
@@ -142,8 +168,12 @@ class SparseCacheLayer(CacheLayerMixin):
             if self.quantized:
                 key_states, self.key_scale_storage[:, :, self.length : new_length] = _quantize(key_states)
                 value_states, self.value_scale_storage[:, :, self.length : new_length] = _quantize(value_states)
+            if self.values_blocked:
+                self._write_blocked_values(torch.arange(self.length, new_length, device=value_states.device),
+                                           value_states)
+            else:
+                self.value_storage[:, :, self.length : new_length] = value_states
             self.key_storage[:, :, self.length : new_length] = key_states
-            self.value_storage[:, :, self.length : new_length] = value_states
         self.length = new_length
         return self._views()
 
@@ -155,9 +185,17 @@ class SparseCacheLayer(CacheLayerMixin):
             value_states, value_scales = _quantize(value_states)
             self.key_scale_storage.index_copy_(2, positions, key_scales)
             self.value_scale_storage.index_copy_(2, positions, value_scales)
+        if self.values_blocked:
+            self._write_blocked_values(positions, value_states)
+        else:
+            self.value_storage.index_copy_(2, positions, value_states)
         self.key_storage.index_copy_(2, positions, key_states)
-        self.value_storage.index_copy_(2, positions, value_states)
         self.device_length.add_(key_states.shape[2])
+
+    def _write_blocked_values(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write int8 ``[B, H, n, D]`` values at slots ``positions`` (a device tensor) of the blocked storage."""
+        token_major = self.value_storage.transpose(-1, -2)  # [B, H, blocks, block, D] view
+        token_major[:, :, positions // self.block_size, positions % self.block_size] = values
 
     # -- summaries ----------------------------------------------------------------------------------------
     def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
@@ -186,8 +224,11 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.summary_storage[:, :, :total_blocks]
 
     def set_padding(self, kv_start: torch.Tensor) -> None:
-        """Take the sequence's padding layout (left-padding slots per row; one host read per sequence)."""
+        """Take the sequence's padding layout (left-padding slots per row; one host read per sequence), and lay
+        int8 values out for it (blocked when every row starts at one slot on the block grid)."""
         self.kv_start = reference.note_range(kv_start.clone(), *reference.kv_start_range(kv_start))
+        if self.quantized:
+            self._lay_out_values(reference.shared_aligned_start(self.kv_start, self.block_size))
         self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
@@ -325,8 +366,8 @@ class SparseCache(Cache):
             if getattr(layer, "key_storage", None) is None:
                 continue
             for storage in (layer.key_storage, layer.value_storage, layer.key_scale_storage, layer.value_scale_storage):
-                if storage is not None:
-                    total += storage[0, :, 0].numel() * storage.element_size()
+                if storage is not None:  # every storage holds `capacity` slots per sequence
+                    total += storage[0].numel() * storage.element_size() // layer.capacity
         return total
 
 

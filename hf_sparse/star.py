@@ -155,12 +155,13 @@ def star_attention_forward(
     scales = {}
     if cache_layer is not None:
         scales = {"key_scale": cache_layer.key_scales[:, :, context], "value_scale": cache_layer.value_scales[:, :, context]}
-    output, _ = kernels.sparse_attention(query[:, :, context], key[:, :, context], value[:, :, context], selection,
+    context_values = kernels.reference.leading_values(value, context_queries)
+    output, _ = kernels.sparse_attention(query[:, :, context], key[:, :, context], context_values, selection,
                                          scale=scale, q_offset=0, kv_start=kv_start, **scales)
     if _RECORDERS:
         attended, causal = _block_counts(selection, context_queries, 0, kv_start)
         _record(LayerRecord(layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
-                            (query[:, :, context], key[:, :, context], value[:, :, context], kv_start)))
+                            (query[:, :, context], key[:, :, context], context_values, kv_start)))
     output = output.transpose(1, 2)
     if context_queries == num_queries:
         return output.contiguous(), None

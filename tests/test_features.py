@@ -81,10 +81,20 @@ def test_int8_cache_layer_storage_scales_and_summaries():
         k, v = layer.update(keys[:, :, step:step + 1], values[:, :, step:step + 1])
         summaries = layer.block_summaries(None, kv_start)
     assert k.dtype == v.dtype == torch.int8 and layer.key_scales.shape == (2, 3, 45)
+    assert v.shape == (2, 3, 45, 24), "rows start apart (padding [0, 7]): token-major values"
     dequantized_keys = ref.dequantize_per_token(k, layer.key_scales)
     assert float((dequantized_keys - keys).norm() / keys.norm()) < 0.01
-    assert float((ref.dequantize_per_token(v, layer.value_scales) - values).norm() / values.norm()) < 0.01
+    dequantized_values = ref.dequantize_per_token(ref.token_values(v, 45), layer.value_scales)
+    assert float((dequantized_values - values).norm() / values.norm()) < 0.01
     torch.testing.assert_close(summaries, ref.block_summaries(dequantized_keys, None, kv_start, 16))
+    # growing the storage (64 -> 96 slots) keeps the blocked values; the tokens are quantised independently
+    more_keys, more_values = torch.randn(2, 3, 30, 32), torch.randn(2, 3, 30, 24)
+    capacity = layer.capacity
+    k, v = layer.update(more_keys, more_values)
+    assert layer.capacity > capacity and v.shape == (2, 3, 75, 24)
+    all_values = torch.cat([values, more_values], dim=2)
+    expected, _ = ref.quantize_per_token(all_values)
+    torch.testing.assert_close(ref.token_values(v, 75), expected, rtol=0, atol=0)
 
 
 def test_int8_kv_cache_close_to_sdpa_and_smaller():
@@ -272,6 +282,26 @@ def test_star_logn_fields_validated_and_round_trip():
         hf_sparse.StarConfig(logn_scaling="yes")
 
 
+def test_int8_values_layout_follows_the_padding():
+    """int8 values stay blocked while every row starts at one slot on the block grid, and go token-major (same
+    contents, one copy) when the padding layout starts rows apart; growth and later writes keep the layout."""
+    from hf_sparse.cache import SparseCacheLayer
+    from hf_sparse.kernels import reference as ref
+
+    torch.manual_seed(4)
+    keys, values = torch.randn(2, 3, 70, 8), torch.randn(2, 3, 70, 8)
+    expected, _ = ref.quantize_per_token(values)
+    for kv_start, blocked in (([0, 0], True), ([16, 16], True), ([0, 7], False), ([5, 5], False)):
+        layer = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8")
+        layer.update(keys[:, :, :20], values[:, :, :20])
+        assert layer.value_storage.dim() == 5, "blocked until the padding is known"
+        layer.set_padding(torch.tensor(kv_start))
+        for step in range(20, 70, 10):  # decode-sized writes and a growth past 64 slots
+            _, stored = layer.update(keys[:, :, step:step + 10], values[:, :, step:step + 10])
+        assert layer.capacity > 64 and (stored.dim() == 5) == blocked and layer.values_blocked == blocked
+        torch.testing.assert_close(ref.token_values(stored, 70), expected, rtol=0, atol=0)
+
+
 def test_int8_kv_left_padded_batch_equals_each_prompt_alone():
     """Per-token quantisation does not depend on the batch, and summaries of int8 blocks follow each row's
     padding: a left-padded batch decodes like each prompt alone (sparse selection, logN on too)."""
@@ -286,9 +316,14 @@ def test_int8_kv_left_padded_batch_equals_each_prompt_alone():
     batch[0], mask[0] = long_ids[0], 1
     batch[1, 59:], mask[1, 59:] = short_ids[0], 1
     with torch.no_grad(), hf_sparse.record_sparsity() as rec:
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        alone_long = model.generate(long_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  return_dict_in_generate=True)
+        alone_long = model.generate(long_ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                    return_dict_in_generate=True)
         alone_short = model.generate(short_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert rec.density("prefill") < 0.8 and rec.density("decode") < 0.8, "selection really was sparse"
+    assert together.past_key_values.layers[0].value_storage.dim() == 4, "rows start apart: token-major values"
+    assert alone_long.past_key_values.layers[0].value_storage.dim() == 5, "no padding: blocked values"
+    together, alone_long = together.sequences, alone_long.sequences
     assert torch.equal(together[0, 200:], alone_long[0, 200:])
     assert torch.equal(together[1, 200:], alone_short[0, 141:])

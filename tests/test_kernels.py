@@ -478,3 +478,57 @@ def test_sparse_attention_features(size, op, num_queries, splits, logn, skip_row
         plain, _ = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                         logn_base=logn_base, **{k: v for k, v in extra.items() if k not in ("splits", "alibi_slopes")})
         assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op, num_queries", [("sparse_prefill", None), ("sparse_decode", 1), ("sparse_decode", 3)])
+@pytest.mark.parametrize("padding", ["none", "shared", "rows"])
+@pytest.mark.parametrize("storage_block", [1, 2])
+@pytest.mark.parametrize("shape", [SHAPES[2], (3, 8, 2, 128, 64, "bf16")])
+def test_blocked_int8_values(size, op, num_queries, padding, storage_block, shape):
+    """int8 values stored blocked (the int8 cache's layout, ``reference.blocked_values``), storage blocks of one
+    or two selection blocks: the same result as token-major values, with rows that start at one multiple of the
+    tile (no padding, or the same padding in every row: contiguous loads) or at any slot (per-slot addresses)."""
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed("blocked", op, num_queries, padding, storage_block, shape))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    num_queries = length if num_queries is None else num_queries
+    q_offset = length - num_queries
+    decode = op == "sparse_decode"
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen)
+    key, key_scale = ref.quantize_per_token(bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen))
+    value, value_scale = ref.quantize_per_token(bnsd(batch, kv_heads, length, dim_v, dtype, "bnsd", gen))
+    kv_start = {"none": torch.zeros(batch, dtype=torch.int64), "shared": torch.full((batch,), 2 * block),
+                "rows": left_padding(batch, length, gen)}[padding].to(DEVICE)
+    tile = num_queries if decode else d["tile"]
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, tile,
+                                 gen, density=0.4)
+    blocked = ref.blocked_values(value, storage_block * block)
+    assert blocked.shape[2:] == (-(-length // (storage_block * block)), dim_v, storage_block * block)
+    torch.testing.assert_close(ref.token_values(blocked, length), value, rtol=0, atol=0)
+    scales = dict(scale=dim ** -0.5, q_offset=q_offset, kv_start=kv_start, key_scale=key_scale, value_scale=value_scale)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, **scales)
+    reference_out, reference_lse = ref.sparse_attention(query, key, blocked, selection, **scales)
+    torch.testing.assert_close(reference_out, expected_out, rtol=0, atol=0)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    getattr(OPS[op], op)(query, key, blocked, selection, out=out, lse=lse, **scales)
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
+def test_blocked_values_errors():
+    """Blocked values are int8 only and must hold every key slot."""
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 2, 1, 16, generator=gen)
+    key, key_scale = ref.quantize_per_token(torch.randn(1, 2, 40, 16, generator=gen))
+    value, value_scale = ref.quantize_per_token(torch.randn(1, 2, 40, 16, generator=gen))
+    selection = BlockSelection(torch.zeros(1, 2, 1, 3, dtype=torch.int32), torch.ones(1, 2, 1, dtype=torch.int32), 16, 1)
+    args = dict(scale=0.25, q_offset=39, kv_start=torch.zeros(1, dtype=torch.int64), key_scale=key_scale,
+                value_scale=value_scale)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        OPS["sparse_decode"].sparse_decode(query, key, ref.blocked_values(value, 16)[:, :, :2], selection, **args)
+    with pytest.raises(ValueError, match="int8 only"):
+        OPS["sparse_decode"].sparse_decode(query, key, ref.blocked_values(value, 16).float(), selection, **args)

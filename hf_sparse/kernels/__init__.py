@@ -138,7 +138,7 @@ def sparse_attention(query, key, value, selection, **kwargs):
     kwargs = _host_length(kwargs, query.shape[2])
     if "key_length" in kwargs:
         valid = kwargs.pop("key_length")
-        key, value = key[:, :, :valid], value[:, :, :valid]
+        key, value = key[:, :, :valid], reference.leading_values(value, valid)
         for name in ("key_scale", "value_scale"):
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][:, :, :valid]

@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..selection import BlockSelection
+from .reference import shared_aligned_start
 
 
 def interpreting() -> bool:
@@ -42,8 +43,10 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
                            selection: BlockSelection, kv_start: torch.Tensor,
                            key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
     """Raise a clear error for inputs the attention kernels do not take."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() not in (4, 5):
         raise ValueError("sparse attention takes BNSD tensors: query [B,Hq,Sq,D], key [B,Hkv,Skv,D], value [B,Hkv,Skv,Dv]")
+    if value.dim() == 5 and value.dtype != torch.int8:
+        raise ValueError(f"blocked values [B,Hkv,blocks,Dv,block] are int8 only (the int8 cache's layout), got {value.dtype}")
     quantized = key_scale is not None or value_scale is not None
     for name, tensor in (("query", query),) + (() if quantized else (("key", key), ("value", value))):
         if tensor.dtype not in SUPPORTED_DTYPES:
@@ -59,11 +62,13 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
                         + (" (int8 K/V need key_scale and value_scale)" if key.dtype == torch.int8 else ""))
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"query and key head dims differ ({query.shape[-1]} vs {key.shape[-1]})")
-    if max(query.shape[-1], value.shape[-1]) > 256:
+    if max(query.shape[-1], value.shape[3]) > 256:
         raise ValueError("head dims above 256 are not supported by the Triton kernels; set HF_SPARSE_BACKEND=torch")
     batch, q_heads = query.shape[:2]
     kv_heads = key.shape[1]
-    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or kv_heads == 0 or q_heads % kv_heads:
+    value_slots = value.shape[2] * (value.shape[4] if value.dim() == 5 else 1)
+    slots_ok = value_slots >= key.shape[2] if value.dim() == 5 else value_slots == key.shape[2]
+    if key.shape[0] != batch or value.shape[:2] != key.shape[:2] or not slots_ok or kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
     sel_heads = selection.num_heads
     if sel_heads == 0 or q_heads % sel_heads or sel_heads % kv_heads:
@@ -172,6 +177,22 @@ def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.
         raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
                          f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
     return alibi_slopes.float().contiguous()
+
+
+def value_args(value: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """The value strides the attention kernels take (batch, head, slot, channel, storage block) and the
+    storage block of blocked values (``reference.blocked_values``; 0 for token-major ones)."""
+    if value.dim() == 4:
+        return (*value.stride(), 0), 0
+    stride_b, stride_h, stride_block, stride_d, stride_s = value.stride()
+    return (stride_b, stride_h, stride_s, stride_d, stride_block), value.shape[4]
+
+
+def values_aligned(value_block: int, kv_start: torch.Tensor, block_n: int) -> bool:
+    """Whether every key tile of ``block_n`` slots lies inside one storage block of blocked values: the rows
+    share one start that is a multiple of ``block_n`` (no padding, the usual case; read from ``kv_start``'s
+    note when it has one)."""
+    return value_block > 0 and value_block % block_n == 0 and shared_aligned_start(kv_start, block_n)
 
 
 def wide_offsets(*tensors: torch.Tensor) -> bool:

@@ -48,6 +48,13 @@ def kv_start_range(kv_start: torch.Tensor) -> tuple[int, int]:
     return int(low), int(high)
 
 
+def shared_aligned_start(kv_start: torch.Tensor, multiple: int) -> bool:
+    """Whether every row starts at one slot that is a multiple of ``multiple`` (no padding, or the same in every
+    row): then tiles of ``multiple`` slots counted from each row's start lie on the storage grid."""
+    low, high = kv_start_range(kv_start)
+    return low == high and low % multiple == 0
+
+
 def num_row_blocks(key_length: int, kv_start: torch.Tensor, block_size: int) -> int:
     """Blocks of the longest row (the width of summaries and block masks)."""
     return _ceil_div(key_length - kv_start_range(kv_start)[0], block_size)
@@ -247,7 +254,7 @@ def sparse_attention(
 
     int8 K/V (:func:`quantize_per_token`) come with float32 ``key_scale`` / ``value_scale`` ``[B, Hkv, Skv]``:
     the attention is that of the dequantised ``key * key_scale``, ``value * value_scale``; the output is in
-    the query's dtype.
+    the query's dtype. int8 values may also come blocked (:func:`blocked_values`, at least ``Skv`` slots).
 
     ``alibi_slopes`` (float32 ``[Hq]``) adds the ALiBi bias ``slope[h] * (key slot - query slot)`` (<= 0 on
     visible keys) to the scaled scores of head ``h``.
@@ -258,6 +265,7 @@ def sparse_attention(
                                       key_scale=key_scale, value_scale=value_scale, alibi_slopes=alibi_slopes)
     if (key.dtype == torch.int8) != (key_scale is not None) or (value.dtype == torch.int8) != (value_scale is not None):
         raise ValueError("int8 key/value need key_scale/value_scale (and scales only go with int8 key/value)")
+    value = token_values(value, key.shape[2])
     if key_scale is not None:
         key, value = dequantize_per_token(key, key_scale), dequantize_per_token(value, value_scale)
     batch, q_heads, num_queries, _ = query.shape
@@ -340,6 +348,38 @@ def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.
     return quantized.float() * scale.float()[..., None]
 
 
+def blocked_values(value: torch.Tensor, block: int) -> torch.Tensor:
+    """``[B, H, S, Dv]`` values stored block by block, each block transposed: ``[B, H, ceil(S / block), Dv,
+    block]``, slot ``s`` of channel ``d`` at ``[..., s // block, d, s % block]`` (the last block's tail zero).
+
+    The int8 SparseCache keeps its values so: the kernels' probability-times-value product reads a tile's
+    slots for each channel, which this layout holds contiguously (token-major int8 values are read byte by
+    byte there). Every attention op takes values in either layout.
+    """
+    batch, heads, length, dim = value.shape
+    blocks = _ceil_div(length, block)
+    padded = value.new_zeros(batch, heads, blocks * block, dim)
+    padded[:, :, :length] = value
+    return padded.view(batch, heads, blocks, block, dim).transpose(-1, -2).contiguous()
+
+
+def token_values(value: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` slots of ``value`` token-major, ``[B, H, length, Dv]``: a view of token-major
+    values, a copy of blocked ones (:func:`blocked_values`)."""
+    if value.dim() == 4:
+        return value[:, :, :length]
+    batch, heads, blocks, dim, block = value.shape
+    return value.transpose(-1, -2).reshape(batch, heads, blocks * block, dim)[:, :, :length]
+
+
+def leading_values(value: torch.Tensor, length: int) -> torch.Tensor:
+    """A view of the values of the first ``length`` slots in their own layout: token-major ones cut to
+    ``length`` slots, blocked ones (:func:`blocked_values`) to the blocks that hold them."""
+    if value.dim() == 4:
+        return value[:, :, :length]
+    return value[:, :, :_ceil_div(length, value.shape[-1])]
+
+
 def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, key_scale, value_scale,
                            **kwargs):
     """:func:`sparse_attention` on the rows not in ``skip`` only, written into ``out`` / ``lse``."""
@@ -347,7 +387,7 @@ def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out,
     if skip.shape != (batch,) or skip.dtype != torch.bool:
         raise ValueError(f"skip must be a [batch={batch}] bool tensor, got {tuple(skip.shape)} {skip.dtype}")
     if out is None:
-        out = torch.zeros(batch, q_heads, num_queries, value.shape[-1], dtype=query.dtype, device=query.device)
+        out = torch.zeros(batch, q_heads, num_queries, value.shape[3], dtype=query.dtype, device=query.device)
     if lse is None:
         lse = torch.full((batch, q_heads, num_queries), float("-inf"), dtype=torch.float32, device=query.device)
     rows = (~skip).nonzero().flatten().to(query.device)

@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
 from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
-                      ticket_counters, wide_offsets)
+                      ticket_counters, value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
 from .sparse_prefill import _attend_entries, _finish
 
@@ -38,7 +38,7 @@ def _sparse_decode_kernel(
     LENGTH,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_vblk,
     stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_on, stride_ob, stride_oh, stride_os, stride_od,
     stride_ln, stride_lb, stride_lh, stride_ls,
@@ -53,7 +53,7 @@ def _sparse_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
-    MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr,
+    MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,11 +108,11 @@ def _sparse_decode_kernel(
         acc, l_i, m_i, q, q_slot, row_ok, INDICES + b64 * stride_ib + sel_head * stride_ih, stride_ik,
         first_entry, last_entry,
         K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh, V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
-        stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
         K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
         V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss, alibi_log2,
         BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT,
-        ALIBI)
+        ALIBI, V_BLOCK, V_ALIGNED)
     out, lse = _finish(acc, l_i, m_i)
     split64 = split.to(tl.int64)
     tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
@@ -177,6 +177,7 @@ def sparse_decode(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    value_strides, value_block = value_args(value)
     if selection.num_query_tiles != 1 or not 1 <= num_queries <= MAX_DECODE_QUERIES:
         raise ValueError(f"sparse_decode needs one query tile and 1..{MAX_DECODE_QUERIES} queries; "
                          "use sparse_prefill otherwise")
@@ -215,7 +216,7 @@ def sparse_decode(
             _sparse_decode_kernel[(programs, splits)](
                 query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
                 out, lse, tickets, length_arg,
-                *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
+                *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 *indices.stride(), *counts.stride(),
                 key_length, q_offset, scale * math.log2(math.e), inv_log_base, splits,
@@ -227,7 +228,8 @@ def sparse_decode(
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 ALIBI=alibi_slopes is not None, MERGE=splits > 1,
-                DEVICE_LENGTH=length is not None, num_warps=tuning["num_warps"], num_stages=stages,
+                DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
+                V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller

@@ -22,7 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection
-from ._common import attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, wide_offsets
+from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, value_args,
+                      values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -42,12 +43,12 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
 def _attend_entries(
     acc, l_i, m_i, q, q_slot, row_ok,
     idx_ptr, stride_ik, first_entry, last_entry,
-    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk,
     kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
+    ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
 ):
     """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
 
@@ -57,14 +58,21 @@ def _attend_entries(
     dtype, so a key's scale multiplies its score column and a value's scale the probability column that
     weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
     slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores.
+    With ``V_BLOCK`` (> 0) the values are blocked (``reference.blocked_values``): slot ``s`` of channel ``d``
+    at ``(s // V_BLOCK) * stride_vblk + d * stride_vd + (s % V_BLOCK) * stride_vs``; with ``V_ALIGNED`` every
+    row starts at a multiple of ``BLOCK_N`` (and ``V_BLOCK`` is one), so a tile's slots are contiguous.
     """
+    kv_tile = kv_start // BLOCK_N  # V_ALIGNED: the row's first tile of BLOCK_N slots
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     for i in range(first_entry, last_entry):
         block = tl.load(idx_ptr + i * stride_ik)
-        first = kv_start + block * BLOCK_SIZE
+        if V_ALIGNED:  # the same slot, written so that the compiler sees a multiple of BLOCK_N (wide masked loads)
+            first = kv_tile * BLOCK_N + block * BLOCK_SIZE
+        else:
+            first = kv_start + block * BLOCK_SIZE
         for n0 in tl.static_range(0, BLOCK_SIZE, BLOCK_N):
             slots = first + n0 + tl.arange(0, BLOCK_N)
             if WIDE_OFFSETS:
@@ -72,7 +80,19 @@ def _attend_entries(
             else:
                 slot_offs = slots
             k_ptrs = k_base + slot_offs[None, :] * stride_ks + offs_d[:, None] * stride_kd
-            v_ptrs = v_base + slot_offs[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+            if V_BLOCK == 0:
+                v_ptrs = v_base + slot_offs[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+            elif V_ALIGNED:
+                tile = kv_tile + block * (BLOCK_SIZE // BLOCK_N) + n0 // BLOCK_N
+                in_block = (tile % (V_BLOCK // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+                storage_block = tile // (V_BLOCK // BLOCK_N)
+                if WIDE_OFFSETS:
+                    storage_block = storage_block.to(tl.int64)
+                v_ptrs = (v_base + storage_block * stride_vblk + in_block[:, None] * stride_vs
+                          + offs_dv[None, :] * stride_vd)
+            else:
+                v_ptrs = (v_base + (slot_offs // V_BLOCK)[:, None] * stride_vblk
+                          + (slot_offs % V_BLOCK)[:, None] * stride_vs + offs_dv[None, :] * stride_vd)
             if MASKED:
                 n_ok = slots < key_length
                 k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -137,7 +157,7 @@ def _sparse_prefill_kernel(
     Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_vblk,
     stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
@@ -151,6 +171,7 @@ def _sparse_prefill_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
+    V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
 ):
     # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
     # the programs of the group's query heads next to each other (they share K/V blocks through L2).
@@ -235,16 +256,16 @@ def _sparse_prefill_kernel(
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, 0, num_full,
-            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
             ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
-            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kv_start, key_length, row_scale,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
             ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED)
         out, lse = _finish(acc, l_i, m_i)
         tl.store(out_rows[:, None] + query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
@@ -278,6 +299,7 @@ def sparse_prefill(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    value_strides, value_block = value_args(value)
     if batch * q_heads * num_queries == 0:
         return out, lse
     block_size, query_tile = selection.block_size, selection.query_tile
@@ -306,14 +328,14 @@ def sparse_prefill(
             _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
                 query, key, value, out, lse, selection.indices, selection.counts, kv_start, skip_flags,
                 key_scale, value_scale, slopes,
-                *query.stride(), *key.stride(), *value.stride(), *key_scale.stride(), *value_scale.stride(),
+                *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *out.stride(), *lse.stride(),
                 *selection.indices.stride(), *selection.counts.stride(),
                 num_queries, key_length, q_offset, scale * math.log2(math.e), inv_log_base, num_tiles, num_slots,
                 PROGS_PER_KV=sel_heads * head_groups // kv_heads, HEAD_GROUPS=head_groups,
                 HEADS_PER_PROG=heads_per_prog, QUERIES_PER_PROG=queries_per_prog, SUBTILES=subtiles,
                 BLOCK_M=rows, BLOCK_N=block_n, num_warps=TUNING["num_warps"] if rows >= 128 else 4, num_stages=stages,
-                **common,
+                V_BLOCK=value_block, V_ALIGNED=values_aligned(value_block, kv_start, block_n), **common,
             )
             break
         except OutOfResources:  # this GPU's shared memory is too small for the tiles: try the next, smaller set
