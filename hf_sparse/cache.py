@@ -15,12 +15,6 @@ from .config import KV_CACHE_DTYPES
 LAYER_ATTR = "_hf_sparse_layer"
 
 
-def _quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per (batch, head, token), float32 scales (same as kernels.reference.quantize_per_token)."""
-    scale = (states.detach().float().abs().amax(-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
-
-
 def _check_max_cache_len(max_cache_len: int | None) -> int | None:
     """``max_cache_len`` as an int (None stays None: a dynamic cache); raises unless positive."""
     if max_cache_len is None:
@@ -162,40 +156,26 @@ class SparseCacheLayer(CacheLayerMixin):
                     f"SparseCache holds batch {self.key_storage.shape[0]} but got states for batch {key_states.shape[0]}"
                 )
             self._grow(new_length, key_states, value_states)
-        if self.static:
+        if self.quantized:  # quantised per token and written in one op (one launch on Triton)
+            start = self.device_length if self.static else self.length
+            kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
+                                    self.key_scale_storage, self.value_scale_storage, start)
+            if self.static:
+                self.device_length.add_(key_states.shape[2])
+        elif self.static:
             self._write_at_device_length(key_states, value_states)
         else:
-            if self.quantized:
-                key_states, self.key_scale_storage[:, :, self.length : new_length] = _quantize(key_states)
-                value_states, self.value_scale_storage[:, :, self.length : new_length] = _quantize(value_states)
-            if self.values_blocked:
-                self._write_blocked_values(torch.arange(self.length, new_length, device=value_states.device),
-                                           value_states)
-            else:
-                self.value_storage[:, :, self.length : new_length] = value_states
             self.key_storage[:, :, self.length : new_length] = key_states
+            self.value_storage[:, :, self.length : new_length] = value_states
         self.length = new_length
         return self._views()
 
     def _write_at_device_length(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Static layers: write at slots ``device_length + [0, n)`` and advance it, all on the device."""
+        """Static float layers: write at slots ``device_length + [0, n)`` and advance it, all on the device."""
         positions = self.device_length + torch.arange(key_states.shape[2], device=self.device_length.device)
-        if self.quantized:
-            key_states, key_scales = _quantize(key_states)
-            value_states, value_scales = _quantize(value_states)
-            self.key_scale_storage.index_copy_(2, positions, key_scales)
-            self.value_scale_storage.index_copy_(2, positions, value_scales)
-        if self.values_blocked:
-            self._write_blocked_values(positions, value_states)
-        else:
-            self.value_storage.index_copy_(2, positions, value_states)
         self.key_storage.index_copy_(2, positions, key_states)
+        self.value_storage.index_copy_(2, positions, value_states)
         self.device_length.add_(key_states.shape[2])
-
-    def _write_blocked_values(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Write int8 ``[B, H, n, D]`` values at slots ``positions`` (a device tensor) of the blocked storage."""
-        token_major = self.value_storage.transpose(-1, -2)  # [B, H, blocks, block, D] view
-        token_major[:, :, positions // self.block_size, positions % self.block_size] = values
 
     # -- summaries ----------------------------------------------------------------------------------------
     def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:

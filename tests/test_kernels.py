@@ -31,7 +31,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 # The op modules (`hf_sparse.kernels.<op>` as an attribute is the dispatching function of the same name).
 OPS = {name: importlib.import_module(f"hf_sparse.kernels.{name}")
-       for name in ("block_summaries", "merge_lse", "select_blocks", "sparse_prefill", "sparse_decode")}
+       for name in ("block_summaries", "merge_lse", "select_blocks", "sparse_prefill", "sparse_decode",
+                    "quantize_append")}
 
 # (size id, device, marks): "small" runs everywhere (interpreter on CPU), "large" only with `-m gpu` on CUDA.
 SIZES = [
@@ -507,6 +508,8 @@ def test_blocked_int8_values(size, op, num_queries, padding, storage_block, shap
     selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, tile,
                                  gen, density=0.4)
     blocked = ref.blocked_values(value, storage_block * block)
+    for slot in range(length, blocked.shape[2] * blocked.shape[4]):  # stored slots past the length: not read as 0
+        blocked[:, :, slot // blocked.shape[4], :, slot % blocked.shape[4]] = 127
     assert blocked.shape[2:] == (-(-length // (storage_block * block)), dim_v, storage_block * block)
     torch.testing.assert_close(ref.token_values(blocked, length), value, rtol=0, atol=0)
     scales = dict(scale=dim ** -0.5, q_offset=q_offset, kv_start=kv_start, key_scale=key_scale, value_scale=value_scale)
@@ -532,3 +535,79 @@ def test_blocked_values_errors():
         OPS["sparse_decode"].sparse_decode(query, key, ref.blocked_values(value, 16)[:, :, :2], selection, **args)
     with pytest.raises(ValueError, match="int8 only"):
         OPS["sparse_decode"].sparse_decode(query, key, ref.blocked_values(value, 16).float(), selection, **args)
+
+
+# -- int8 cache append ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dims_kv", [(64, 64), (128, 80)])
+@pytest.mark.parametrize("layout", ["tokens", "blocked"])
+@pytest.mark.parametrize("tokens, device_start", [(1, True), (37, False), (5, True)])
+def test_quantize_append(size, dtype_name, dims_kv, layout, tokens, device_start):
+    """New states quantised per token and written at their slots, bit-equal to the reference (ties round to
+    even); every other slot of the poisoned storage keeps its contents."""
+    dtype = DTYPES[dtype_name]
+    dim, dim_v = dims_kv
+    gen = torch.Generator().manual_seed(seed("append", size, dtype_name, dims_kv, layout, tokens, device_start))
+    batch, heads, slots, block = (3, 2, 96, 16) if size == "small" else (2, 8, 4096, 128)
+    start = slots - tokens - 3
+    key_states = bnsd(batch, heads, tokens, dim, dtype, "bsnd", gen) * 3
+    value_states = bnsd(batch, heads, tokens, dim_v, dtype, "bnsd", gen)
+    key_states[0, 0, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5], dtype=dtype)  # scale 1: exact ties
+    key_states[1, 0, 0] = 0.0  # an all-zero token: the smallest scale, zeros
+    storages = []
+    for _ in range(2):
+        keys = torch.full((batch, heads, slots, dim), 99, dtype=torch.int8, device=DEVICE)
+        values = torch.full((batch, heads, slots, dim_v), 99, dtype=torch.int8, device=DEVICE)
+        if layout == "blocked":
+            values = ref.blocked_values(values, block)
+        scales = [torch.full((batch, heads, slots), float("nan"), device=DEVICE) for _ in range(2)]
+        storages.append((keys, values, *scales))
+    start_arg = torch.tensor([start], device=DEVICE) if device_start else start
+    ref.quantize_append(key_states, value_states, *storages[0], start_arg)
+    OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], start_arg)
+    for expected, got in zip(storages[0], storages[1]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    keys, values, key_scales, value_scales = storages[1]
+    quantized, scale = ref.quantize_per_token(key_states)
+    torch.testing.assert_close(keys[:, :, start:start + tokens], quantized, rtol=0, atol=0)
+    assert keys[0, 0, start, :4].tolist() == [127, 2, -4, 0]
+    assert (keys[1, 0, start] == 0).all()
+    torch.testing.assert_close(key_scales[:, :, start:start + tokens], scale, rtol=0, atol=0)
+    torch.testing.assert_close(ref.token_values(values, slots)[:, :, start:start + tokens],
+                               ref.quantize_per_token(value_states)[0], rtol=0, atol=0)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[start:start + tokens] = False
+    assert (keys[:, :, untouched] == 99).all() and (ref.token_values(values, slots)[:, :, untouched] == 99).all()
+    assert torch.isnan(key_scales[:, :, untouched]).all() and torch.isnan(value_scales[:, :, untouched]).all()
+
+
+def test_quantize_append_errors():
+    """Storage that does not match the states, or slots past its end, get a clear error."""
+    states = torch.randn(1, 2, 4, 16)
+    keys, values = torch.zeros(1, 2, 32, 16, dtype=torch.int8), torch.zeros(1, 2, 32, 16, dtype=torch.int8)
+    scales = torch.zeros(1, 2, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 30)
+    with pytest.raises(ValueError, match="int8 storage"):
+        kernels.quantize_append(states, states, keys.float(), values, scales, scales.clone(), 0)
+    with pytest.raises(ValueError, match="value_scales"):
+        kernels.quantize_append(states, states, keys, values, scales, scales[:, :1], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_quantize_append_whole_long_prompt():
+    """A prefill appends more tokens than a CUDA grid's second axis holds (65535): all of them are written."""
+    gen = torch.Generator().manual_seed(seed("append-long"))
+    tokens = 70001
+    key_states = bnsd(1, 2, tokens, 64, torch.bfloat16, "bnsd", gen)
+    value_states = bnsd(1, 2, tokens, 64, torch.bfloat16, "bnsd", gen)
+    storages = [(torch.zeros(1, 2, tokens + 127, 64, dtype=torch.int8, device=DEVICE),
+                 ref.blocked_values(torch.zeros(1, 2, tokens + 127, 64, dtype=torch.int8, device=DEVICE), 128),
+                 torch.zeros(1, 2, tokens + 127, device=DEVICE), torch.zeros(1, 2, tokens + 127, device=DEVICE))
+                for _ in range(2)]
+    ref.quantize_append(key_states, value_states, *storages[0], 0)
+    OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], 0)
+    for expected, got in zip(storages[0], storages[1]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

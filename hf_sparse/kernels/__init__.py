@@ -11,10 +11,11 @@ import os
 import torch
 
 from . import reference
+from ._common import check_append_inputs
 
 __all__ = [
     "antidiagonal_block_scores", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
-    "recent_block_summaries", "reference", "select_blocks", "sparse_attention",
+    "quantize_append", "recent_block_summaries", "reference", "select_blocks", "sparse_attention",
 ]
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -27,13 +28,15 @@ if _TRITON_AVAILABLE:
     try:
         from . import block_summaries as _summaries_op
         from . import merge_lse as _merge_op
+        from . import quantize_append as _append_op
         from . import select_blocks as _select_op
         from . import sparse_decode as _decode_op
         from . import sparse_prefill as _prefill_op
         from . import threshold_select as _threshold_op
         from . import xattn_scores as _xattn_op
 
-        _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op)
+        _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op,
+                       _append_op)
     except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
@@ -128,7 +131,7 @@ def sparse_attention(query, key, value, selection, **kwargs):
     kernel. ``length`` (a one-element device tensor: valid key slots, ``key`` / ``value`` being a static
     cache's storage) is taken by the decode kernel."""
     if backend_for(query) == "triton":
-        _, _, prefill_op, decode_op, _, _, _ = _TRITON_OPS
+        prefill_op, decode_op = _TRITON_OPS[2], _TRITON_OPS[3]
         if selection.num_query_tiles == 1 and query.shape[2] <= decode_op.MAX_DECODE_QUERIES:
             return decode_op.sparse_decode(query, key, value, selection, **kwargs)
         if kwargs.get("length") is not None:
@@ -165,3 +168,12 @@ def cumulative_threshold_select(mass, available, forced, threshold):
     if backend_for(mass) == "triton" and mass.shape[-1] <= _TRITON_OPS[6].MAX_BLOCKS:
         return _TRITON_OPS[6].cumulative_threshold_select(mass, available, forced, threshold)
     return reference.cumulative_threshold_select(mass, available, forced, threshold)
+
+
+def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):
+    """See :func:`reference.quantize_append` (the int8 cache's writes; one launch on Triton)."""
+    args = (key_states, value_states, key_storage, value_storage, key_scales, value_scales, start)
+    check_append_inputs(*args)
+    if backend_for(key_states) == "triton":
+        return _TRITON_OPS[7].quantize_append(*args)
+    return reference.quantize_append(*args)

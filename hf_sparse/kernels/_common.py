@@ -82,6 +82,40 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError("query, key, value and selection must be on one device")
 
 
+def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+                        value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
+                        start: int | torch.Tensor) -> None:
+    """Raise a clear error for a ``quantize_append`` call the ops do not take (a device-side ``start`` is not
+    range-checked: that would read it back to the host)."""
+    if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+        raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(key_states.shape)} "
+                         f"and {tuple(value_states.shape)}")
+    for name, states in (("key_states", key_states), ("value_states", value_states)):
+        if states.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {states.dtype} unsupported: use float16, bfloat16 or float32")
+    batch, heads, tokens = key_states.shape[:3]
+    slots = key_storage.shape[2] if key_storage.dim() == 4 else -1
+    value_shape = (tuple(value_storage.shape[:2]) + (value_storage.shape[2] * value_storage.shape[4], value_storage.shape[3])
+                   if value_storage.dim() == 5 else tuple(value_storage.shape))
+    expected = ((batch, heads, slots, key_states.shape[3]), (batch, heads, slots, value_states.shape[3]))
+    if (key_storage.dtype != torch.int8 or value_storage.dtype != torch.int8
+            or (tuple(key_storage.shape), value_shape) != expected):
+        raise ValueError(f"int8 storage must be keys {expected[0]} and values {expected[1]} (or blocked), got "
+                         f"{key_storage.dtype} {tuple(key_storage.shape)} and {value_storage.dtype} "
+                         f"{tuple(value_storage.shape)}")
+    for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (batch, heads, slots):
+            raise ValueError(f"{name} must be float32 {(batch, heads, slots)}, got {scales.dtype} {tuple(scales.shape)}")
+    if not key_states.device == value_states.device == key_storage.device == value_storage.device:
+        raise ValueError("states and storage must be on one device")
+    if isinstance(start, torch.Tensor):
+        if start.numel() != 1 or start.is_floating_point() or start.device != key_states.device:
+            raise ValueError(f"a tensor start must be one integer element on {key_states.device}, got "
+                             f"{tuple(start.shape)} {start.dtype} on {start.device}")
+    elif not 0 <= int(start) <= slots - tokens:
+        raise ValueError(f"slots {start}..{int(start) + tokens} do not fit the storage's {slots}")
+
+
 _SM_COUNTS: dict[int, int] = {}
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 

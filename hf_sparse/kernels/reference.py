@@ -337,8 +337,9 @@ def logn_factors(row_slot: torch.Tensor, logn_base: int) -> torch.Tensor:
 def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantisation of ``[..., S, D]`` states with one float32 scale per (..., token):
     ``states ~ q * scale[..., None]``, ``scale = max|states| / 127`` over the head dim."""
-    scale = states.detach().float().abs().amax(-1) / 127.0
-    scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+    amax = states.detach().float().abs().amax(-1)
+    # a true division (a tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one)
+    scale = (amax / torch.full_like(amax, 127.0)).clamp_min(torch.finfo(torch.float32).tiny)
     quantized = torch.round(states.float() / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return quantized, scale
 
@@ -346,6 +347,29 @@ def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``quantized * scale[..., None]`` (the inverse of :func:`quantize_per_token`)."""
     return quantized.float() * scale.float()[..., None]
+
+
+def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+                    value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
+                    start: int | torch.Tensor) -> None:
+    """Quantise ``[B, H, n, D]`` key and value states per token (:func:`quantize_per_token`) and write them at
+    slots ``start + [0, n)`` of int8 storage (keys ``[B, H, S, D]``, values token-major ``[B, H, S, Dv]`` or
+    blocked: :func:`blocked_values`) and their float32 scales ``[B, H, S]``. ``start`` is an int, or a
+    one-element integer tensor on the states' device (a static cache's valid-slot count: nothing is read back to
+    the host)."""
+    tokens = key_states.shape[2]
+    if isinstance(start, torch.Tensor):
+        positions = start.reshape(1).long() + torch.arange(tokens, device=start.device)
+    else:
+        positions = torch.arange(start, start + tokens, device=key_states.device)
+    for states, storage, scales in ((key_states, key_storage, key_scales), (value_states, value_storage, value_scales)):
+        quantized, scale = quantize_per_token(states)
+        scales.index_copy_(2, positions, scale)
+        if storage.dim() == 5:
+            block = storage.shape[-1]
+            storage.transpose(-1, -2)[:, :, positions // block, positions % block] = quantized
+        else:
+            storage.index_copy_(2, positions, quantized)
 
 
 def blocked_values(value: torch.Tensor, block: int) -> torch.Tensor:

@@ -96,7 +96,13 @@ def _attend_entries(
             if MASKED:
                 n_ok = slots < key_length
                 k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+                if V_ALIGNED:
+                    # One mask for the tile (it lies in one stored block, which exists when it starts before the
+                    # length) keeps the loads wide; slots past the length hold finite int8 that probability 0 weights.
+                    tile_in = (tl.zeros([BLOCK_N], tl.int32) + (first + n0)) < key_length
+                    v = tl.load(v_ptrs, mask=tile_in[:, None] & dv_ok[None, :], other=0.0)
+                else:
+                    v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             elif D_PAD == HEAD_DIM and DV_PAD == HEAD_DIM_V:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
