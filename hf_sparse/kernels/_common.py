@@ -106,8 +106,9 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
     for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
         if scales.dtype != torch.float32 or tuple(scales.shape) != (batch, heads, slots):
             raise ValueError(f"{name} must be float32 {(batch, heads, slots)}, got {scales.dtype} {tuple(scales.shape)}")
-    if not key_states.device == value_states.device == key_storage.device == value_storage.device:
-        raise ValueError("states and storage must be on one device")
+    if not (key_states.device == value_states.device == key_storage.device == value_storage.device
+            == key_scales.device == value_scales.device):
+        raise ValueError("states, storage and scales must be on one device")
     if isinstance(start, torch.Tensor):
         if start.numel() != 1 or start.is_floating_point() or start.device != key_states.device:
             raise ValueError(f"a tensor start must be one integer element on {key_states.device}, got "
