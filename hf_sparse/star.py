@@ -102,6 +102,9 @@ def star_attention_forward(
     cache_layer = getattr(key, LAYER_ATTR, None) if key.dtype == torch.int8 else None
     if key.dtype == torch.int8 and cache_layer is None:
         raise TypeError("int8 keys reach the Star attention only from an int8 SparseCache (it holds their scales)")
+    if cache_layer is not None and cache_layer.kv_start is None:  # the padding picks the int8 values' layout
+        cache_layer.set_padding(padding_start(attention_mask, batch, key.shape[2], query.device, validate=False))
+        value = cache_layer.values
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
     run = _RUN.get()

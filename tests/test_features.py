@@ -252,9 +252,12 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
     copies = []
     monkeypatch.setattr(star, "dequantized_kv", lambda *args: copies.append(1) or dequantized_kv(*args))
 
+    caches = []
+
     def run(new_cache):
         with torch.no_grad(), hf_sparse.record_sparsity() as rec:
             cache = new_cache()
+            caches.append(cache)
             steps = [model(ids[:, :100], attention_mask=mask[:, :100], past_key_values=cache).logits]
             steps += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
                       for t in range(100, 110)]  # teacher-forced generation
@@ -264,6 +267,7 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
 
     logits, generated, rec = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="int8"))
     assert len(copies) == 2, "dequantised copies: the dense layer's two prompts only, none while generating"
+    assert caches[0].layers[0].value_storage.dim() == 4, "rows start apart: the int8 values went token-major"
     expected, expected_generated, _ = run(lambda: dequantized_states_cache(model.config))
     unquantized, _, _ = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="auto"))
     assert rec.density("context") < 0.8, "the context really ran block-sparse"
