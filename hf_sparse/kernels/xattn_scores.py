@@ -58,6 +58,42 @@ def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, str
 
 
 @triton.jit
+def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
+                group_first, group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d,
+                d_ok, scale, row_max, row_sum, part_base,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, GROUPS: tl.constexpr,
+                STRIDE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Step ``it`` over ``BLOCK_N`` key groups: scores, online max / sum-exp update, and the step's partial
+    masses per (query group, key block) with its max written to the scratch. Without ``MASKED`` every key group
+    of the step must be visible to every real row and inside the keys (rows that are not real are weighted 0
+    later)."""
+    key_group = it * BLOCK_N + offs_col
+    scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
+                             stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
+                             offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
+    if MASKED:
+        visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
+                   & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0)
+    else:
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = new_max
+        probs = tl.exp(scores - safe_max[:, None])
+    row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(probs, 1)
+    step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
+    # Columns are (key block, key group) in row-major order: one reshape sums each block's groups.
+    block_sums = tl.sum(tl.reshape(probs, (BLOCK_M, KEY_BLOCKS, GROUPS)), 2)
+    offs_kb = tl.arange(0, KEY_BLOCKS)
+    tl.store(step + offs_kb[None, :] * BLOCK_M + offs_row[:, None], block_sums)
+    tl.store(step + KEY_BLOCKS * BLOCK_M + offs_row, new_max)
+    return new_max, row_sum
+
+
+@triton.jit
 def _antidiagonal_scores_kernel(
     Q, K, KS, OUT, KV_START, PART,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -99,25 +135,22 @@ def _antidiagonal_scores_kernel(
         * ((KEY_BLOCKS + 1) * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    for it in range(0, num_iters):
-        key_group = it * BLOCK_N + offs_col
-        scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
-                                 stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
-                                 offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
-        visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
-                   & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0)
-        row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(probs, 1)
-        row_max = new_max
-        step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
-        # Columns are (key block, key group) in row-major order: one reshape sums each block's groups.
-        block_sums = tl.sum(tl.reshape(probs, (BLOCK_M, KEY_BLOCKS, GROUPS)), 2)
-        offs_kb = tl.arange(0, KEY_BLOCKS)
-        tl.store(step + offs_kb[None, :] * BLOCK_M + offs_row[:, None], block_sums)
-        tl.store(step + KEY_BLOCKS * BLOCK_M + offs_row, new_max)
+    # Steps whose key groups every real row sees, inside the keys, come first and run without masks.
+    first_last = tl.min(tl.where(row_real, group_last, 2147483647), 0)
+    visible_groups = tl.minimum(first_last // STRIDE + 1, (key_length - kv_start + STRIDE - 1) // STRIDE)
+    full_iters = tl.minimum(tl.where(first_last >= 0, visible_groups // BLOCK_N, 0), num_iters)
+    for it in range(0, full_iters):
+        row_max, row_sum = _score_step(
+            Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
+            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok, scale,
+            row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32, PRECISION, QUANT,
+            False)
+    for it in range(full_iters, num_iters):
+        row_max, row_sum = _score_step(
+            Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
+            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok, scale,
+            row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32, PRECISION, QUANT,
+            True)
     inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
     tl.debug_barrier()  # the scratch is read back by other threads of the program than wrote it
 
