@@ -12,6 +12,8 @@ int8 keys (the int8 SparseCache) are dequantised in registers by their per-token
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +34,10 @@ SCRATCH_BYTES = 512 * 1024 * 1024
 
 @triton.jit
 def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
-                    group_first, row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok, scale,
+                    group_first, row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
-    """Scaled antidiagonal scores ``[BLOCK_M, BLOCK_N]`` of the program's query groups against key groups
+    """Unscaled antidiagonal scores ``[BLOCK_M, BLOCK_N]`` of the program's query groups against key groups
     ``key_group``: ``STRIDE`` GEMMs of head_dim depth, element ``m`` of a query group (read reversed) against
     element ``m`` of a key group. With ``QUANT`` the keys are int8 with a float32 scale per slot (``KS``),
     dequantised in registers: the ``STRIDE`` keys summed into one score have different scales."""
@@ -54,36 +56,37 @@ def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, str
             scores += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
             scores += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-    return scores * scale
+    return scores
 
 
 @triton.jit
 def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
                 group_first, group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d,
-                d_ok, scale, row_max, row_sum, part_base,
+                d_ok, scale_log2, row_max, row_sum, part_base,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, GROUPS: tl.constexpr,
                 STRIDE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                 MASKED: tl.constexpr):
     """Step ``it`` over ``BLOCK_N`` key groups: scores, online max / sum-exp update, and the step's partial
-    masses per (query group, key block) with its max written to the scratch. Without ``MASKED`` every key group
-    of the step must be visible to every real row and inside the keys (rows that are not real are weighted 0
-    later)."""
+    masses per (query group, key block) with its max written to the scratch. Maxima are of the scores times
+    ``scale_log2`` (the softmax scale times log2(e), positive), so a probability is one multiply-add and an
+    ``exp2``. Without ``MASKED`` every key group of the step must be visible to every real row and inside the
+    keys (rows that are not real are weighted 0 later)."""
     key_group = it * BLOCK_N + offs_col
     scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
                              stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
-                             offs_d, d_ok, scale, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
+                             offs_d, d_ok, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
     if MASKED:
         visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
                    & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.where(visible, tl.exp(scores - safe_max[:, None]), 0.0)
+        probs = tl.where(visible, tl.exp2(scores * scale_log2 - safe_max[:, None]), 0.0)
     else:
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)
         safe_max = new_max
-        probs = tl.exp(scores - safe_max[:, None])
-    row_sum = row_sum * tl.exp(row_max - safe_max) + tl.sum(probs, 1)
+        probs = tl.exp2(scores * scale_log2 - safe_max[:, None])
+    row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(probs, 1)
     step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
     # Columns are (key block, key group) in row-major order: one reshape sums each block's groups.
     block_sums = tl.sum(tl.reshape(probs, (BLOCK_M, KEY_BLOCKS, GROUPS)), 2)
@@ -100,7 +103,7 @@ def _antidiagonal_scores_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_ksb, stride_ksh, stride_kss,
     stride_ob, stride_oh, stride_ot, stride_on,
-    num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale, max_iters,
+    num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale_log2, max_iters,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -142,15 +145,15 @@ def _antidiagonal_scores_kernel(
     for it in range(0, full_iters):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
-            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok, scale,
-            row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32, PRECISION, QUANT,
-            False)
+            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
+            scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
+            PRECISION, QUANT, False)
     for it in range(full_iters, num_iters):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
-            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok, scale,
-            row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32, PRECISION, QUANT,
-            True)
+            group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
+            scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
+            PRECISION, QUANT, True)
     inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
     tl.debug_barrier()  # the scratch is read back by other threads of the program than wrote it
 
@@ -161,8 +164,9 @@ def _antidiagonal_scores_kernel(
     for it in range(0, num_iters):
         step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
         step_max = tl.load(step + KEY_BLOCKS * BLOCK_M + offs_row)
-        # exp(step max - final max) <= 1; a group that had seen nothing by this step has only zero masses
-        weight = tl.where(step_max == float("-inf"), 0.0, tl.exp(step_max - tl.where(row_real, row_max, 0.0))) * inv_sum
+        # 2^(step max - final max) <= 1; a group that had seen nothing by this step has only zero masses
+        final_max = tl.where(row_real, row_max, 0.0)
+        weight = tl.where(step_max == float("-inf"), 0.0, tl.exp2(step_max - final_max)) * inv_sum
         for kb in tl.static_range(KEY_BLOCKS):
             row_mass = tl.load(step + kb * BLOCK_M + offs_row) * weight
             masses = tl.sum(tl.where(row_tile[None, :] == offs_local[:, None], row_mass[None, :], 0.0), 1)
@@ -197,6 +201,8 @@ def antidiagonal_block_scores(
         raise ValueError("an int8 key needs key_scale (and key_scale only goes with an int8 key)")
     if quantized:
         check_token_scale("key_scale", key_scale, key)
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
     if block_size % stride or stride & (stride - 1):
         raise ValueError(f"stride {stride} must be a power of two dividing block_size {block_size}")
     batch, q_heads, num_queries, dim = query.shape
@@ -231,7 +237,8 @@ def antidiagonal_block_scores(
                 _antidiagonal_scores_kernel[(triton.cdiv(count, tiles), batch * q_heads)](
                     query, key, key_scale, target, kv_start, part,
                     *query.stride(), *key.stride(), *key_scale.stride(), *target.stride(),
-                    num_queries, key_length, q_offset, first_tile + start, count, num_blocks, scale / stride,
+                    num_queries, key_length, q_offset, first_tile + start, count, num_blocks,
+                    scale / stride * math.log2(math.e),
                     max_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
