@@ -80,3 +80,11 @@ def test_scores_match_reference_4k(dtype, int8):
     expected = ref.antidiagonal_block_scores(query, key, **kwargs, key_chunk=1024)
     out = xattn_scores.antidiagonal_block_scores(query, key, **kwargs)
     torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+
+
+def test_scores_need_a_positive_scale():
+    """The kernel keeps maxima of scaled scores, which needs a positive softmax scale: others get a clear error."""
+    query, key = torch.randn(1, 2, 40, 16, device=DEVICE), torch.randn(1, 2, 40, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        xattn_scores.antidiagonal_block_scores(query, key, scale=0.0, q_offset=0,
+                                               kv_start=torch.zeros(1, dtype=torch.int64), block_size=16, stride=4)
