@@ -98,7 +98,7 @@ class SparseCacheLayer(CacheLayerMixin):
         storage_dtype = torch.int8 if self.quantized else key_states.dtype
         keys = key_states.new_empty(batch, heads, new_capacity, key_states.shape[-1], dtype=storage_dtype)
         if self.values_blocked:  # new_capacity is a whole number of blocks
-            values = value_states.new_zeros(batch, heads, new_capacity // self.block_size, value_states.shape[-1],
+            values = value_states.new_empty(batch, heads, new_capacity // self.block_size, value_states.shape[-1],
                                             self.block_size, dtype=storage_dtype)
         else:
             values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
