@@ -32,18 +32,20 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
     (6, 2, 64, 8, 0, torch.float16),
     (4, 1, 32, 2, 10, torch.bfloat16),
 ])
-@pytest.mark.parametrize("rows, columns, scratch", [
-    (64, 128, None),
-    (16, 16, None),  # several programs and key steps
-    (16, 16, 1),  # scratch for one program per launch: the tiles in several launches
+@pytest.mark.parametrize("rows, columns, scratch, split_steps", [
+    (64, 128, None, 8),
+    (16, 16, None, 8),  # several programs and key steps
+    (16, 16, None, 1),  # each key step its own split: the masses merge the splits' normalisers
+    (16, 16, 1, 3),  # scratch for one program per launch: the tiles in several launches; a partial last split
 ])
 @pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
 def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns, scratch,
-                                      int8, monkeypatch):
+                                      split_steps, int8, monkeypatch):
     """Also with int8 keys and per-token scales (the int8 SparseCache), against the reference's dequantised
     scoring."""
     monkeypatch.setattr(xattn_scores, "_ROWS", rows)
     monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
     if scratch is not None:
         monkeypatch.setattr(xattn_scores, "SCRATCH_BYTES", scratch)
     generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset)
@@ -70,7 +72,9 @@ def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_off
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
-def test_scores_match_reference_4k(dtype, int8):
+@pytest.mark.parametrize("split_steps", [8, 2])
+def test_scores_match_reference_4k(dtype, int8, split_steps, monkeypatch):
+    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(1, 8, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
     key = torch.randn(1, 2, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)

@@ -1,14 +1,16 @@
-"""XAttention antidiagonal block scores: strided score GEMM, softmax and block sums fused in one kernel.
+"""XAttention antidiagonal block scores: strided score GEMM, softmax and block sums, then the masses.
 
-Semantics: ``reference.antidiagonal_block_scores``. One program per (a few query tiles, batch x query head).
-The strided reshape is done by the loads: the score of query group ``g`` and key group ``r`` is accumulated as
-``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed query group against element ``m`` of the key
-group), so no reshaped copy and no score matrix is written. One pass over the causal key groups computes each
-score once: the online max / sum-exp per query group, and each step's probabilities (relative to the running
-max) summed per (query group, key block) into a scratch buffer with that step's max. The program then reads its
-scratch back (from L2, it is small) and writes each (tile, key block) mass with the final normaliser. The
-launcher bounds the scratch (``SCRATCH_BYTES``) by launching the tiles in groups, and ignores ``key_chunk``.
-int8 keys (the int8 SparseCache) are dequantised in registers by their per-token scales.
+Semantics: ``reference.antidiagonal_block_scores``. The strided reshape is done by the loads: the score of query
+group ``g`` and key group ``r`` is accumulated as ``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed
+query group against element ``m`` of the key group), so no reshaped copy and no score matrix is written.
+First kernel: one program per (a few query tiles, a split of their key steps, batch x query head) computes each
+score of its steps once: the online max / sum-exp per query group, and each step's probabilities (relative to
+the running max) summed per (query group, key block) into a scratch buffer with that step's max; the split's
+max and sum go to a small stats buffer. Splitting the key steps puts the programs of one query tile side by
+side, so the tile's queries, re-read at every step, stay in L2. Second kernel: one program per (query tiles,
+batch x query head) merges its splits' stats into the final normaliser and writes each (tile, key block) mass.
+The launcher bounds the scratch (``SCRATCH_BYTES``) by launching the tiles in groups, and ignores
+``key_chunk``. int8 keys (the int8 SparseCache) are dequantised in registers by their per-token scales.
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ from ._common import check_token_scale, dot_settings, scale_args
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
 # Launch setting from benchmarks/tune_xattn_scores.py (H100, bf16, 128K; docs/xattn.md): 128 x 128 groups with
-# 8 warps and 3 stages.
+# 8 warps and 3 stages; key steps split 8 per program (benchmarks/tune_xattn_scores.py --split-steps).
 _ROWS = 128
 _COLUMNS = 128
 _WARPS = 8
 _STAGES = 3
+_SPLIT_STEPS = 8
 #: Most bytes of per-step partial masses one launch keeps (tiles are launched in groups to stay under it).
 SCRATCH_BYTES = 512 * 1024 * 1024
 
@@ -97,66 +100,116 @@ def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_
 
 
 @triton.jit
-def _antidiagonal_scores_kernel(
-    Q, K, KS, OUT, KV_START, PART,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_ksb, stride_ksh, stride_kss,
-    stride_ob, stride_oh, stride_ot, stride_on,
-    num_queries, key_length, q_offset, first_tile, num_tiles, num_blocks, scale_log2, max_iters,
-    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
-    GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-):
-    # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
-    BLOCK_M: tl.constexpr = TILES * GROUPS
-    BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
-    tile_start = tl.program_id(0) * TILES  # local tile index of the program's first tile
-    batch_head = tl.program_id(1)
+def _program_rows(KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles,
+                  Q_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr, GROUPS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's query groups: first query, whether real, row-relative last slot; and its key steps."""
     b = batch_head // Q_HEADS
-    h = batch_head % Q_HEADS
     kv_start = tl.load(KV_START + b)
     pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
-
     offs_row = tl.arange(0, BLOCK_M)
     local_tile = tile_start + offs_row // GROUPS
     group_first = pad_q + (first_tile + local_tile) * BLOCK_SIZE + (offs_row % GROUPS) * STRIDE
     row_real = (local_tile < num_tiles) & (group_first < num_queries)
     group_last = q_offset + group_first + STRIDE - 1 - kv_start  # row-relative slot of the group's last query
+    last_slot = tl.max(tl.where(row_real, group_last, -1), 0)
+    num_iters = tl.where(last_slot >= 0, last_slot // (STRIDE * BLOCK_N) + 1, 0)
+    return kv_start, group_first, row_real, group_last, num_iters
+
+
+@triton.jit
+def _antidiagonal_scores_kernel(
+    Q, K, KS, KV_START, PART, STATS,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_ksb, stride_ksh, stride_kss,
+    num_queries, key_length, q_offset, first_tile, num_tiles, scale_log2, max_iters, splits, split_iters,
+    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
+    GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+):
+    """Scores of one split of a program's key steps (see the module docstring)."""
+    # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
+    BLOCK_M: tl.constexpr = TILES * GROUPS
+    BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
+    program = tl.program_id(0) // splits  # the splits of one program's tiles are neighbours in the launch order
+    split = tl.program_id(0) % splits
+    batch_head = tl.program_id(1)
+    tile_start = program * TILES
+    b = batch_head // Q_HEADS
+    h = batch_head % Q_HEADS
+    kv_start, group_first, row_real, group_last, num_iters = _program_rows(
+        KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE,
+        GROUPS, BLOCK_M, BLOCK_N)
+    offs_row = tl.arange(0, BLOCK_M)
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_base = b * stride_qb + h * stride_qh
     k_base = b * stride_kb + (h // GROUP) * stride_kh
     ks_base = b * stride_ksb + (h // GROUP) * stride_ksh
-    # Key groups up to the last one any real row sees.
-    last_slot = tl.max(tl.where(row_real, group_last, -1), 0)
-    num_iters = tl.where(last_slot >= 0, last_slot // (STRIDE * BLOCK_N) + 1, 0)
-
-    # The program's scratch: per step, KEY_BLOCKS partial masses and the running max of each query group.
-    part_base = PART + ((tl.program_id(0) * tl.num_programs(1) + batch_head).to(tl.int64) * max_iters) \
-        * ((KEY_BLOCKS + 1) * BLOCK_M)
+    # Scratch of the program's tiles: per step, KEY_BLOCKS partial masses and the running max of each query group.
+    index = program * tl.num_programs(1) + batch_head
+    part_base = PART + (index.to(tl.int64) * max_iters) * ((KEY_BLOCKS + 1) * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    # Steps whose key groups every real row sees, inside the keys, come first and run without masks.
+    # Steps whose key groups every real row sees, inside the keys, run without masks; this split's steps only.
     first_last = tl.min(tl.where(row_real, group_last, 2147483647), 0)
     visible_groups = tl.minimum(first_last // STRIDE + 1, (key_length - kv_start + STRIDE - 1) // STRIDE)
     full_iters = tl.minimum(tl.where(first_last >= 0, visible_groups // BLOCK_N, 0), num_iters)
-    for it in range(0, full_iters):
+    it_start = split * split_iters
+    it_end = tl.minimum(it_start + split_iters, num_iters)
+    for it in tl.range(it_start, tl.minimum(full_iters, it_end), flatten=True):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
             scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
             PRECISION, QUANT, False)
-    for it in range(full_iters, num_iters):
+    for it in tl.range(tl.maximum(full_iters, it_start), it_end, flatten=True):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
             scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
             PRECISION, QUANT, True)
-    inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
-    tl.debug_barrier()  # the scratch is read back by other threads of the program than wrote it
+    stats = STATS + (index.to(tl.int64) * splits + split) * (2 * BLOCK_M)  # written even by an empty split
+    tl.store(stats + offs_row, row_max)
+    tl.store(stats + BLOCK_M + offs_row, row_sum)
 
+
+@triton.jit
+def _antidiagonal_masses_kernel(
+    OUT, KV_START, PART, STATS,
+    stride_ob, stride_oh, stride_ot, stride_on,
+    num_queries, q_offset, first_tile, num_tiles, num_blocks, max_iters, splits,
+    Q_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
+    GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr,
+):
+    """Masses of a program's tiles from the scores kernel's scratch and split stats."""
+    BLOCK_M: tl.constexpr = TILES * GROUPS
+    BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
+    program = tl.program_id(0)
+    tile_start = program * TILES
+    batch_head = tl.program_id(1)
+    b = batch_head // Q_HEADS
+    h = batch_head % Q_HEADS
+    kv_start, group_first, row_real, group_last, num_iters = _program_rows(
+        KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE,
+        GROUPS, BLOCK_M, BLOCK_N)
+    offs_row = tl.arange(0, BLOCK_M)
+    index = program * tl.num_programs(1) + batch_head
+    stats = STATS + (index.to(tl.int64) * splits) * (2 * BLOCK_M)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in range(0, splits):
+        row_max = tl.maximum(row_max, tl.load(stats + split * (2 * BLOCK_M) + offs_row))
+    final_max = tl.where(row_real & (row_max > float("-inf")), row_max, 0.0)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    for split in range(0, splits):
+        split_max = tl.load(stats + split * (2 * BLOCK_M) + offs_row)
+        split_sum = tl.load(stats + split * (2 * BLOCK_M) + BLOCK_M + offs_row)
+        row_sum += tl.where(split_max == float("-inf"), 0.0, split_sum * tl.exp2(split_max - final_max))
+    inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
+
+    part_base = PART + (index.to(tl.int64) * max_iters) * ((KEY_BLOCKS + 1) * BLOCK_M)
     offs_local = tl.arange(0, TILES)
     offs_tile = tile_start + offs_local
     row_tile = offs_row // GROUPS
@@ -164,8 +217,6 @@ def _antidiagonal_scores_kernel(
     for it in range(0, num_iters):
         step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
         step_max = tl.load(step + KEY_BLOCKS * BLOCK_M + offs_row)
-        # 2^(step max - final max) <= 1; a group that had seen nothing by this step has only zero masses
-        final_max = tl.where(row_real, row_max, 0.0)
         weight = tl.where(step_max == float("-inf"), 0.0, tl.exp2(step_max - final_max)) * inv_sum
         for kb in tl.static_range(KEY_BLOCKS):
             row_mass = tl.load(step + kb * BLOCK_M + offs_row) * weight
@@ -228,22 +279,31 @@ def antidiagonal_block_scores(
         per_program = max_iters * (key_blocks + 1) * block_m * 4
         programs_per_launch = max(1, SCRATCH_BYTES // (per_program * batch * q_heads))
         tiles_per_launch = programs_per_launch * tiles
-        part = torch.empty(min(triton.cdiv(num_tiles, tiles), programs_per_launch) * batch * q_heads * per_program // 4,
-                           dtype=torch.float32, device=query.device)
+        split_iters = max(1, min(max_iters, _SPLIT_STEPS))
+        splits = triton.cdiv(max_iters, split_iters)
+        launch_programs = min(triton.cdiv(num_tiles, tiles), programs_per_launch) * batch * q_heads
+        stats = torch.empty(launch_programs * splits * 2 * block_m, dtype=torch.float32, device=query.device)
+        part = torch.empty(launch_programs * per_program // 4, dtype=torch.float32, device=query.device)
         try:
             for start in range(0, num_tiles, tiles_per_launch):
                 count = min(tiles_per_launch, num_tiles - start)
                 target = out[:, :, start:start + count]
-                _antidiagonal_scores_kernel[(triton.cdiv(count, tiles), batch * q_heads)](
-                    query, key, key_scale, target, kv_start, part,
-                    *query.stride(), *key.stride(), *key_scale.stride(), *target.stride(),
-                    num_queries, key_length, q_offset, first_tile + start, count, num_blocks,
-                    scale / stride * math.log2(math.e),
-                    max_iters,
+                programs = triton.cdiv(count, tiles)
+                _antidiagonal_scores_kernel[(programs * splits, batch * q_heads)](
+                    query, key, key_scale, kv_start, part, stats,
+                    *query.stride(), *key.stride(), *key_scale.stride(),
+                    num_queries, key_length, q_offset, first_tile + start, count,
+                    scale / stride * math.log2(math.e), max_iters, splits, split_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
                     DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, num_warps=_WARPS,
                     num_stages=_STAGES,
+                )
+                _antidiagonal_masses_kernel[(programs, batch * q_heads)](
+                    target, kv_start, part, stats, *target.stride(),
+                    num_queries, q_offset, first_tile + start, count, num_blocks, max_iters, splits,
+                    Q_HEADS=q_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups, TILES=tiles,
+                    KEY_BLOCKS=key_blocks, num_warps=4,
                 )
             break
         except OutOfResources:
