@@ -8,7 +8,8 @@ score of its steps once: the online max / sum-exp per query group, and each step
 the running max) summed per (query group, key block) into a scratch buffer with that step's max; the split's
 max and sum go to a small stats buffer. Splitting the key steps puts the programs of one query tile side by
 side, so the tile's queries, re-read at every step, stay in L2. Second kernel: one program per (query tiles,
-batch x query head) merges its splits' stats into the final normaliser and writes each (tile, key block) mass.
+split, batch x query head) merges the splits' stats into the final normaliser and writes the split's (tile, key
+block) masses.
 The launcher bounds the scratch (``SCRATCH_BYTES``) by launching the tiles in groups, and ignores
 ``key_chunk``. int8 keys (the int8 SparseCache) are dequantised in registers by their per-token scales.
 """
@@ -180,14 +181,15 @@ def _antidiagonal_scores_kernel(
 def _antidiagonal_masses_kernel(
     OUT, KV_START, PART, STATS,
     stride_ob, stride_oh, stride_ot, stride_on,
-    num_queries, q_offset, first_tile, num_tiles, num_blocks, max_iters, splits,
+    num_queries, q_offset, first_tile, num_tiles, num_blocks, max_iters, splits, split_iters,
     Q_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr,
 ):
-    """Masses of a program's tiles from the scores kernel's scratch and split stats."""
+    """Masses of one split of a program's key steps, from the scores kernel's scratch and every split's stats."""
     BLOCK_M: tl.constexpr = TILES * GROUPS
     BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
-    program = tl.program_id(0)
+    program = tl.program_id(0) // splits
+    split = tl.program_id(0) % splits
     tile_start = program * TILES
     batch_head = tl.program_id(1)
     b = batch_head // Q_HEADS
@@ -199,30 +201,30 @@ def _antidiagonal_masses_kernel(
     index = program * tl.num_programs(1) + batch_head
     stats = STATS + (index.to(tl.int64) * splits) * (2 * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for split in range(0, splits):
-        row_max = tl.maximum(row_max, tl.load(stats + split * (2 * BLOCK_M) + offs_row))
+    for other in range(0, splits):
+        row_max = tl.maximum(row_max, tl.load(stats + other * (2 * BLOCK_M) + offs_row))
     final_max = tl.where(row_real & (row_max > float("-inf")), row_max, 0.0)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    for split in range(0, splits):
-        split_max = tl.load(stats + split * (2 * BLOCK_M) + offs_row)
-        split_sum = tl.load(stats + split * (2 * BLOCK_M) + BLOCK_M + offs_row)
+    for other in range(0, splits):
+        split_max = tl.load(stats + other * (2 * BLOCK_M) + offs_row)
+        split_sum = tl.load(stats + other * (2 * BLOCK_M) + BLOCK_M + offs_row)
         row_sum += tl.where(split_max == float("-inf"), 0.0, split_sum * tl.exp2(split_max - final_max))
     inv_sum = tl.where(row_real, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)
 
     part_base = PART + (index.to(tl.int64) * max_iters) * ((KEY_BLOCKS + 1) * BLOCK_M)
-    offs_local = tl.arange(0, TILES)
-    offs_tile = tile_start + offs_local
-    row_tile = offs_row // GROUPS
-    out_base = OUT + b * stride_ob + h * stride_oh + offs_tile * stride_ot
-    for it in range(0, num_iters):
+    offs_kb = tl.arange(0, KEY_BLOCKS)
+    offs_tile = tile_start + tl.arange(0, TILES)
+    out_tiles = OUT + b * stride_ob + h * stride_oh + offs_tile[None, :] * stride_ot
+    for it in range(split * split_iters, tl.minimum(split * split_iters + split_iters, num_iters)):
         step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
         step_max = tl.load(step + KEY_BLOCKS * BLOCK_M + offs_row)
+        # 2^(step max - final max) <= 1; a group that had seen nothing by this step has only zero masses
         weight = tl.where(step_max == float("-inf"), 0.0, tl.exp2(step_max - final_max)) * inv_sum
-        for kb in tl.static_range(KEY_BLOCKS):
-            row_mass = tl.load(step + kb * BLOCK_M + offs_row) * weight
-            masses = tl.sum(tl.where(row_tile[None, :] == offs_local[:, None], row_mass[None, :], 0.0), 1)
-            block = it * KEY_BLOCKS + kb + offs_local * 0  # broadcast to [TILES]
-            tl.store(out_base + block * stride_on, masses, mask=(offs_tile < num_tiles) & (block < num_blocks))
+        part = tl.load(step + offs_kb[:, None] * BLOCK_M + offs_row[None, :]) * weight[None, :]
+        masses = tl.sum(tl.reshape(part, (KEY_BLOCKS, TILES, GROUPS)), 2)  # rows are (tile, group) row-major
+        block = it * KEY_BLOCKS + offs_kb
+        tl.store(out_tiles + block[:, None] * stride_on, masses,
+                 mask=(block < num_blocks)[:, None] & (offs_tile < num_tiles)[None, :])
 
 
 def antidiagonal_block_scores(
@@ -299,9 +301,9 @@ def antidiagonal_block_scores(
                     DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, num_warps=_WARPS,
                     num_stages=_STAGES,
                 )
-                _antidiagonal_masses_kernel[(programs, batch * q_heads)](
+                _antidiagonal_masses_kernel[(programs * splits, batch * q_heads)](
                     target, kv_start, part, stats, *target.stride(),
-                    num_queries, q_offset, first_tile + start, count, num_blocks, max_iters, splits,
+                    num_queries, q_offset, first_tile + start, count, num_blocks, max_iters, splits, split_iters,
                     Q_HEADS=q_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups, TILES=tiles,
                     KEY_BLOCKS=key_blocks, num_warps=4,
                 )
