@@ -13,7 +13,9 @@ every block scores alike and the union over 128 queries is nearly dense; that de
 XAttention prefill (``--xattn [LENGTHS]``, default 32768 131072): the same structured inputs, selection by
 ``XAttnMethod.select_prefill`` (antidiagonal scores, Triton, + cumulative-mass threshold 0.9, PyTorch; stride 8,
 block 128, gqa_reduce "any": one selection row per KV head), then the same sparse attention kernel; SDPA and
-FlexAttention (same block mask) beside it.
+FlexAttention (same block mask) beside it. ``--xattn-sharpness S ...`` repeats them on inputs whose keys lean
+harder to their block's direction (``structured_qkv``'s ``sharpness``; default 1), i.e. attention mass held by
+fewer blocks, as in long-context models: the threshold then keeps fewer blocks.
 
 Run on a GPU:  python benchmarks/bench_attention.py  [--tune] [--xattn [LENGTHS]] [--json out.json]
 (``--prefill --decode --xattn`` runs the XAttention rows alone.)
@@ -55,8 +57,11 @@ def median_ms(fn, min_reps: int = 10) -> float:
     return do_bench(fn, warmup=max(25, 2 * once), rep=max(100, min_reps * once), return_mode="median")
 
 
-def structured_qkv(batch: int, num_queries: int, length: int, structured: bool, seed: int = 0):
-    """BNSD q [B, 32, Sq, 128] (the last Sq positions) and k, v [B, 8, L, 128] in bfloat16, on the GPU."""
+def structured_qkv(batch: int, num_queries: int, length: int, structured: bool, seed: int = 0,
+                   sharpness: float = 1.0):
+    """BNSD q [B, 32, Sq, 128] (the last Sq positions) and k, v [B, 8, L, 128] in bfloat16, on the GPU.
+    ``sharpness`` scales the keys' lean to their block's direction: the standard deviation of the block part of
+    the logits (1: about as large as the per-token part; larger: attention mass concentrated on fewer blocks)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dim, group = HEAD_DIM, Q_HEADS // KV_HEADS
 
@@ -68,7 +73,7 @@ def structured_qkv(batch: int, num_queries: int, length: int, structured: bool, 
     if structured:
         blocks = triton.cdiv(length, BLOCK)
         block_dir = randn(batch, KV_HEADS, blocks, dim) / math.sqrt(dim)
-        keys += math.sqrt(dim) * block_dir.repeat_interleave(BLOCK, 2)[:, :, :length]
+        keys += sharpness * math.sqrt(dim) * block_dir.repeat_interleave(BLOCK, 2)[:, :, :length]
         topic_len = 2048
         topics = triton.cdiv(length, topic_len)
         shared = randn(batch, KV_HEADS, topics, dim).repeat_interleave(group, 1)
@@ -194,12 +199,12 @@ def prefill_row(length: int, flex, tune: bool) -> dict:
     return row
 
 
-def xattn_row(length: int, flex, threshold: float = 0.9, stride: int = 8) -> dict:
+def xattn_row(length: int, flex, threshold: float = 0.9, stride: int = 8, sharpness: float = 1.0) -> dict:
     """XAttention prefill on the structured inputs: scoring (XAttnMethod.select_prefill) + sparse attention."""
     from hf_sparse.config import XAttnConfig
     from hf_sparse.methods.xattn import XAttnMethod
 
-    query, key, value = structured_qkv(1, length, length, structured=True)
+    query, key, value = structured_qkv(1, length, length, structured=True, sharpness=sharpness)
     kv_start = torch.zeros(1, dtype=torch.int64, device="cuda")
     scale = HEAD_DIM ** -0.5
     config = XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold)
@@ -219,7 +224,7 @@ def xattn_row(length: int, flex, threshold: float = 0.9, stride: int = 8) -> dic
     num_tiles = selection.num_query_tiles
     causal_blocks = (torch.arange(num_tiles) + 1).sum().item() * KV_HEADS
     group = Q_HEADS // KV_HEADS
-    row = {"method": "xattn", "length": length, "threshold": threshold, "stride": stride,
+    row = {"method": "xattn", "length": length, "threshold": threshold, "stride": stride, "sharpness": sharpness,
            "density": selection.counts.sum().item() / causal_blocks,
            "mean_blocks": selection.counts.float().mean().item()}
     out, _ = attend(selection)
@@ -380,6 +385,8 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--xattn", type=int, nargs="*", default=None,
                         help="also XAttention prefill rows at these lengths (no value: 32768 131072)")
+    parser.add_argument("--xattn-sharpness", type=float, nargs="+", default=[1.0],
+                        help="XAttention rows on inputs of these key-block sharpnesses (structured_qkv; default 1)")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also time kernel launch-setting variants")
     parser.add_argument("--json", help="write all numbers here")
@@ -406,8 +413,9 @@ def main() -> None:
         del query, key, summ
         torch.cuda.empty_cache()
     for length in ([32768, 131072] if args.xattn == [] else args.xattn or []):
-        xattn_rows.append(xattn_row(length, flex))
-        print(json.dumps(xattn_rows[-1]), file=sys.stderr, flush=True)
+        for sharpness in args.xattn_sharpness:
+            xattn_rows.append(xattn_row(length, flex, sharpness=sharpness))
+            print(json.dumps(xattn_rows[-1]), file=sys.stderr, flush=True)
     for length in args.decode:
         for batch in args.decode_batches:
             decode_rows.append(decode_row(length, batch, args.tune and length == args.decode[-1]))
@@ -434,14 +442,14 @@ def main() -> None:
         print("XAttention prefill, batch 1, causal, threshold 0.9, stride 8, one selection per KV head (any head of "
               "the group); medians in ms; score = Triton scoring kernel alone, select = select_prefill (scores in "
               "16K-query chunks + threshold + GQA union)")
-        print(f"{'length':>7} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | {'Flex':>7} | "
-              f"{'score':>6} {'select':>7} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} "
+        print(f"{'length':>7} {'sharp':>5} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | "
+              f"{'Flex':>7} | {'score':>6} {'select':>7} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} "
               f"{'total/Flex':>10} {'select/attend':>13}")
         for r in xattn_rows:
             flex_ms = r.get("flex_ms", float("nan"))
-            print(f"{r['length']:>7} {r['density']:>7.3f} {r['iid_density']:>8.3f} | {r['sdpa_ms']:>8.2f} "
-                  f"{r['sdpa_backend'][:7]:>7} | {flex_ms:>7.2f} | {r['score_kernel_ms']:>6.2f} {r['select_ms']:>7.2f} "
-                  f"{r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
+            print(f"{r['length']:>7} {r['sharpness']:>5.1f} {r['density']:>7.3f} {r['iid_density']:>8.3f} | "
+                  f"{r['sdpa_ms']:>8.2f} {r['sdpa_backend'][:7]:>7} | {flex_ms:>7.2f} | {r['score_kernel_ms']:>6.2f} "
+                  f"{r['select_ms']:>7.2f} {r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
                   f"{r['sdpa_ms'] / r['sparse_total_ms']:>9.2f}x {r['sparse_total_ms'] / flex_ms:>9.2f}x "
                   f"{r['select_ms'] / r['sparse_ms']:>12.2f}x")
     if decode_rows:
