@@ -101,11 +101,19 @@ def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_
 
 
 @triton.jit
-def _program_rows(KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles,
+def _program_rows(KV_START, splits, num_queries, q_offset, first_tile, num_tiles,
                   Q_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr, GROUPS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The program's query groups: first query, whether real, row-relative last slot; and its key steps."""
+    """A program of either kernel: its split, batch, head, first local tile and index among the (tiles, batch x
+    head) programs; its query groups (first query, whether real, row-relative last slot); its row's kv_start
+    and its tiles' key steps. The splits of one program's tiles are neighbours in the launch order."""
+    program = tl.program_id(0) // splits
+    split = tl.program_id(0) % splits
+    batch_head = tl.program_id(1)
     b = batch_head // Q_HEADS
+    h = batch_head % Q_HEADS
+    tile_start = program * (BLOCK_M // GROUPS)
+    index = program * tl.num_programs(1) + batch_head
     kv_start = tl.load(KV_START + b)
     pad_q = tl.minimum(tl.maximum(kv_start - q_offset, 0), num_queries)
     offs_row = tl.arange(0, BLOCK_M)
@@ -115,7 +123,7 @@ def _program_rows(KV_START, batch_head, tile_start, num_queries, q_offset, first
     group_last = q_offset + group_first + STRIDE - 1 - kv_start  # row-relative slot of the group's last query
     last_slot = tl.max(tl.where(row_real, group_last, -1), 0)
     num_iters = tl.where(last_slot >= 0, last_slot // (STRIDE * BLOCK_N) + 1, 0)
-    return kv_start, group_first, row_real, group_last, num_iters
+    return split, b, h, tile_start, index, kv_start, group_first, row_real, group_last, num_iters
 
 
 @triton.jit
@@ -133,15 +141,9 @@ def _antidiagonal_scores_kernel(
     # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
     BLOCK_M: tl.constexpr = TILES * GROUPS
     BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
-    program = tl.program_id(0) // splits  # the splits of one program's tiles are neighbours in the launch order
-    split = tl.program_id(0) % splits
-    batch_head = tl.program_id(1)
-    tile_start = program * TILES
-    b = batch_head // Q_HEADS
-    h = batch_head % Q_HEADS
-    kv_start, group_first, row_real, group_last, num_iters = _program_rows(
-        KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE,
-        GROUPS, BLOCK_M, BLOCK_N)
+    split, b, h, tile_start, index, kv_start, group_first, row_real, group_last, num_iters = _program_rows(
+        KV_START, splits, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE, GROUPS,
+        BLOCK_M, BLOCK_N)
     offs_row = tl.arange(0, BLOCK_M)
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -150,7 +152,6 @@ def _antidiagonal_scores_kernel(
     k_base = b * stride_kb + (h // GROUP) * stride_kh
     ks_base = b * stride_ksb + (h // GROUP) * stride_ksh
     # Scratch of the program's tiles: per step, KEY_BLOCKS partial masses and the running max of each query group.
-    index = program * tl.num_programs(1) + batch_head
     part_base = PART + (index.to(tl.int64) * max_iters) * ((KEY_BLOCKS + 1) * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -188,17 +189,10 @@ def _antidiagonal_masses_kernel(
     """Masses of one split of a program's key steps, from the scores kernel's scratch and every split's stats."""
     BLOCK_M: tl.constexpr = TILES * GROUPS
     BLOCK_N: tl.constexpr = KEY_BLOCKS * GROUPS
-    program = tl.program_id(0) // splits
-    split = tl.program_id(0) % splits
-    tile_start = program * TILES
-    batch_head = tl.program_id(1)
-    b = batch_head // Q_HEADS
-    h = batch_head % Q_HEADS
-    kv_start, group_first, row_real, group_last, num_iters = _program_rows(
-        KV_START, batch_head, tile_start, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE,
-        GROUPS, BLOCK_M, BLOCK_N)
+    split, b, h, tile_start, index, kv_start, group_first, row_real, group_last, num_iters = _program_rows(
+        KV_START, splits, num_queries, q_offset, first_tile, num_tiles, Q_HEADS, BLOCK_SIZE, STRIDE, GROUPS,
+        BLOCK_M, BLOCK_N)
     offs_row = tl.arange(0, BLOCK_M)
-    index = program * tl.num_programs(1) + batch_head
     stats = STATS + (index.to(tl.int64) * splits) * (2 * BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for other in range(0, splits):
