@@ -47,6 +47,8 @@ class XAttnMethod:
         num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, block_size)
         tiles_per_chunk = num_tiles if config.prefill_chunk is None else config.prefill_chunk // block_size
         mask = torch.zeros(batch, kv_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
+        # Every tile's (available, forced) at once: a few launches per call, not per chunk (1/Hkv of the mask).
+        available, forced = self._tile_blocks(num_queries, q_offset, kv_start, 0, num_tiles, num_blocks)
         for first_tile in range(0, num_tiles, tiles_per_chunk):
             count = min(tiles_per_chunk, num_tiles - first_tile)
             mass = kernels.antidiagonal_block_scores(
@@ -54,11 +56,11 @@ class XAttnMethod:
                 stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
                 key_scale=key_scale,
             )
-            available, forced = self._tile_blocks(num_queries, q_offset, kv_start, first_tile, count, num_blocks)
+            chunk = slice(first_tile, first_tile + count)
             chosen = kernels.cumulative_threshold_select(
-                mass, available[:, None], forced[:, None], config.mass_threshold("prefill")
+                mass, available[:, None, chunk], forced[:, None, chunk], config.mass_threshold("prefill")
             )
-            mask[:, :, first_tile : first_tile + count] = self._reduce_group(chosen, kv_heads)
+            mask[:, :, chunk] = self._reduce_group(chosen, kv_heads)
         return BlockSelection.from_mask(mask, block_size=block_size, query_tile=block_size)
 
     def select_decode(
