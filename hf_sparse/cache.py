@@ -5,10 +5,17 @@ from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import utils as _generation_utils
 
 from . import kernels
 from .kernels import reference
 from .config import KV_CACHE_DTYPES
+
+#: The keyword models and ``generate()`` take a cache by: ``cache`` from transformers 5.24 on (``past_key_values``
+#: before; still accepted there, with a deprecation warning).
+CACHE_KWARG = "cache" if "cache" in getattr(_generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+#: Every name a cache may arrive under (the current one first).
+CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "past_key_values")))
 
 #: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
 #: reach the layer (transformers does not pass the cache object to attention functions).
@@ -299,7 +306,7 @@ class SparseCache(Cache):
     """KV cache for hf_sparse attention: block storage and incrementally updated block summaries.
 
     ``generate()`` creates one automatically for models using "plas"; pass one explicitly as
-    ``past_key_values=SparseCache(model.config)`` to control it. ``kv_dtype="int8"`` stores K/V as int8 with
+    ``cache=SparseCache(model.config)`` (``past_key_values=`` before transformers 5.24) to control it. ``kv_dtype="int8"`` stores K/V as int8 with
     per-token scales (:class:`SparseCacheLayer`); ``None`` takes the method config's ``kv_cache_dtype``.
     ``max_cache_len`` makes every layer static (storage for that many tokens allocated once, lengths also kept
     on the device): what decoding under a CUDA graph needs (``generate()`` picks it on CUDA, see

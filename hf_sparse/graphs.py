@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .attention import _RECORDERS, DECODE_MAX_QUERY, method_config
-from .cache import SparseCache
+from .cache import CACHE_KWARGS, SparseCache
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,13 @@ logger = logging.getLogger(__name__)
 GRAPH_METHODS = ("plas", "xattn")
 
 #: Keyword arguments a captured forward takes; a call with any other runs eagerly.
-_ACCEPTED = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "return_dict",
-             "logits_to_keep", "cache_position", "output_attentions", "output_hidden_states"}
+_ACCEPTED = {"input_ids", "position_ids", "attention_mask", "use_cache", "return_dict", "logits_to_keep",
+             "cache_position", "output_attentions", "output_hidden_states", *CACHE_KWARGS}
+
+
+def _cache_of(mapping: Any) -> Any:
+    """The cache a forward's keyword arguments (or output) hold, under whichever name this transformers uses."""
+    return next((mapping[name] for name in CACHE_KWARGS if name in mapping), None)
 
 
 #: Attribute of the model holding its :class:`GraphStats` (plain data: the model still copies and pickles).
@@ -66,13 +71,13 @@ class DecodeGraphs:
         self._warm = False
         self._graph: torch.cuda.CUDAGraph | None = None
         self._inputs: dict[str, torch.Tensor] = {}
-        self._output: tuple[type, dict[str, Any]] | None = None
+        self._output: tuple[type, dict[str, Any], str] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = None if args else self._graph_key(kwargs)
         if key is None:
             return self.forward(*args, **kwargs)
-        cache = kwargs["past_key_values"]
+        cache = _cache_of(kwargs)
         if self._cache is None or self._cache() is not cache or self._key != key:
             self._forget()
             self._cache, self._key = weakref.ref(cache), key
@@ -95,7 +100,7 @@ class DecodeGraphs:
         if (self.stats.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled()
                 or not set(kwargs) <= _ACCEPTED):
             return None
-        cache, input_ids = kwargs.get("past_key_values"), kwargs.get("input_ids")
+        cache, input_ids = _cache_of(kwargs), kwargs.get("input_ids")
         position_ids = kwargs.get("position_ids")
         if not isinstance(cache, SparseCache) or not isinstance(input_ids, torch.Tensor) or position_ids is None:
             return None
@@ -119,7 +124,7 @@ class DecodeGraphs:
         tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(kwargs.items())
                         if isinstance(value, torch.Tensor) and name != "attention_mask")
         others = tuple((name, value) for name, value in sorted(kwargs.items())
-                       if not isinstance(value, torch.Tensor) and name != "past_key_values")
+                       if not isinstance(value, torch.Tensor) and name not in CACHE_KWARGS)
         return tensors + others + (cache.layout_version,)
 
     # -- capture and replay ------------------------------------------------------------------------------
@@ -160,8 +165,9 @@ class DecodeGraphs:
                 layer.length = length
                 layer._views()
         # Keep the output's buffers, not its cache: the cache must be freed when generate() lets it go.
-        fields = {name: value for name, value in output.items() if name != "past_key_values"}
-        self._graph, self._inputs, self._output = graph, inputs, (type(output), fields)
+        fields = {name: value for name, value in output.items() if name not in CACHE_KWARGS}
+        cache_field = next((name for name in CACHE_KWARGS if name in output.keys()), CACHE_KWARGS[0])
+        self._graph, self._inputs, self._output = graph, inputs, (type(output), fields, cache_field)
         self.stats.captures += 1
 
     def _replay(self, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
@@ -170,8 +176,8 @@ class DecodeGraphs:
         self._graph.replay()
         cache.advance_host_length(kwargs["input_ids"].shape[1])
         self.stats.replays += 1
-        output_type, fields = self._output
-        fields = dict(fields, past_key_values=cache)
+        output_type, fields, cache_field = self._output
+        fields = dict(fields, **{cache_field: cache})
         fields["logits"] = fields["logits"].clone()  # the graph's buffer is overwritten by the next replay
         return output_type(**fields)
 

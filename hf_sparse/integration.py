@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from . import graphs, kernels
 from .attention import dense_attention, method_config, sparse_attention_forward
-from .cache import SparseCache
+from .cache import CACHE_KWARG, SparseCache
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .star import star_attention_forward
 
@@ -93,12 +93,12 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     needs keys that end at the last query, which transformers' preallocated caches do not give."""
     implementation = getattr(self.config, "_attn_implementation", None)
     static_asked = (implementation in METHODS and generation_config.cache_implementation in _STATIC_CACHES
-                    and model_kwargs.get("past_key_values") is None)
+                    and model_kwargs.get(CACHE_KWARG) is None)
     if static_asked:  # let transformers make (and allocate) no preallocated cache; the caller's config unchanged
         generation_config = copy.copy(generation_config)
         generation_config.cache_implementation = None
     result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if (
         implementation in METHODS
         and generation_config.cache_implementation is None
@@ -111,7 +111,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         if length is None and static_asked:
             length = _static_cache_length(generation_config, args, kwargs)
         cache = SparseCache(self.config, max_cache_len=length)
-        model_kwargs["past_key_values"] = cache
+        model_kwargs[CACHE_KWARG] = cache
     if isinstance(cache, SparseCache) and cache.static_length is not None and implementation in graphs.GRAPH_METHODS:
         graphs.install(self)
     return result

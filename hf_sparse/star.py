@@ -35,7 +35,7 @@ from .attention import (
     _RECORDERS, DECODE_MAX_QUERY, SUPPORTED_DTYPES, LayerRecord, _block_counts, _record, _unsupported,
     dense_attention, dequantized_kv, logn_base_for, logn_scaled, method_config, padding_start,
 )
-from .cache import LAYER_ATTR, SparseCacheLayer
+from .cache import CACHE_KWARG, CACHE_KWARGS, LAYER_ATTR, SparseCacheLayer
 from .config import StarConfig
 from .methods.star import StarMethod
 
@@ -350,8 +350,8 @@ def encode_context(
             positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         run = _StarRun(config, CONTEXT_PHASE, length, prefix, sharded, is_query_rank, group)
         with torch.no_grad(), _running(run):
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                  use_cache=True, logits_to_keep=1)
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                  use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
         _check_called(run)
     if not is_query_rank:
         for layer in cache.layers:
@@ -371,7 +371,7 @@ def generate_from_context(model: Any, context: StarContext, query_ids: torch.Ten
 
 def _generate_after(model: Any, context: StarContext, query_ids: torch.Tensor, restore_context: bool,
                     **generate_kwargs: Any) -> Any:
-    for name in ("attention_mask", "past_key_values", "position_ids", "input_ids", "inputs_embeds"):
+    for name in ("attention_mask", *CACHE_KWARGS, "position_ids", "input_ids", "inputs_embeds"):
         if name in generate_kwargs:
             raise TypeError(f"hf_sparse.star.generate sets `{name}` itself")
     batch, length = context.context_ids.shape
@@ -389,7 +389,7 @@ def _generate_after(model: Any, context: StarContext, query_ids: torch.Tensor, r
     stored = context.shard[1] - context.shard[0]
     try:
         with _running(run):
-            output = model.generate(query_ids, attention_mask=full_mask, past_key_values=context.cache,
+            output = model.generate(query_ids, attention_mask=full_mask, **{CACHE_KWARG: context.cache},
                                     **generate_kwargs)
     finally:
         for layer in context.cache.layers:
