@@ -79,7 +79,8 @@ def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_ste
 
     The reference's bisection on f in [0, 1] (its threshold divided by the row's top probability), done on
     logits. Rows with at most ``top_right`` available blocks take them all and do not search. Stops once
-    every row has landed: later steps would not change a landed row.
+    every row has landed: later steps would not change a landed row. Counts are float sums, exact at any block
+    count (1.15x faster selection than int32 counts at 128K on the H100: docs/kernels.md).
     """
     n_available = row_last + 1
     row_max = tl.max(logits, 1)
@@ -93,7 +94,7 @@ def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_ste
     while (step < search_steps) & (open_rows > 0):
         mid = (low + high) * 0.5
         cut = row_max + tl.log(mid)
-        count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
+        count = tl.sum(tl.where(logits >= cut[:, None], 1.0, 0.0), 1)
         landed = (count >= top_left) & (count <= top_right) & (found == 0)
         threshold = tl.where(landed, mid, threshold)
         found = tl.where(landed, 1, found)
