@@ -73,14 +73,16 @@ def _block_logits(q_rows, s_cols, stride_qd, stride_sd, real, readable, row_last
 
 
 @triton.jit
-def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS: tl.constexpr):
+def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS: tl.constexpr,
+            FLOAT_COUNTS: tl.constexpr):
     """Blocks each row chooses ``[BLOCK_Q, NB_PAD]``: the threshold top-k of its masked logits, plus its own
     block and the sink blocks, within its causal range.
 
     The reference's bisection on f in [0, 1] (its threshold divided by the row's top probability), done on
     logits. Rows with at most ``top_right`` available blocks take them all and do not search. Stops once
-    every row has landed: later steps would not change a landed row. Counts are float sums, exact at any block
-    count (1.15x faster selection than int32 counts at 128K on the H100: docs/kernels.md).
+    every row has landed: later steps would not change a landed row. With FLOAT_COUNTS the counts are float
+    sums, exact at any block count: faster for the many rows of a prefill (1.15x at 128K on the H100), slower for
+    decode's few (docs/kernels.md).
     """
     n_available = row_last + 1
     row_max = tl.max(logits, 1)
@@ -94,7 +96,10 @@ def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_ste
     while (step < search_steps) & (open_rows > 0):
         mid = (low + high) * 0.5
         cut = row_max + tl.log(mid)
-        count = tl.sum(tl.where(logits >= cut[:, None], 1.0, 0.0), 1)
+        if FLOAT_COUNTS:
+            count = tl.sum(tl.where(logits >= cut[:, None], 1.0, 0.0), 1)
+        else:
+            count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
         landed = (count >= top_left) & (count <= top_right) & (found == 0)
         threshold = tl.where(landed, mid, threshold)
         found = tl.where(landed, 1, found)
@@ -172,7 +177,7 @@ def _select_blocks_kernel(
             q_base + head.to(tl.int64) * stride_qh + query.to(tl.int64) * stride_qs, s_base + blocks * stride_sn,
             stride_qd, stride_sd, real, blocks <= tl.max(row_last, 0), row_last, scale, SLOPES, head, q_slot, kv_start,
             blocks, BLOCK_Q, NB_PAD, BLOCK_SIZE, HEAD_DIM, D_PAD, D_CHUNK, DOT_DTYPE, PRECISION, ALIBI)
-        chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS)
+        chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS, True)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
     tl.debug_barrier()
@@ -243,7 +248,7 @@ def _decode_select_kernel(
         s_last = tl.where(s_real, tl.minimum(s_own, last_block), -1)
         row = tl.load(LOGITS + (row_id * BLOCK_Q + s_rows[:, None]).to(tl.int64) * NB_PAD + all_blocks[None, :],
                       cache_modifier=".cg")
-        chosen = _choose(row, s_last, s_own, all_blocks, top_left, top_right, search_steps, SINK_BLOCKS)
+        chosen = _choose(row, s_last, s_own, all_blocks, top_left, top_right, search_steps, SINK_BLOCKS, False)
         _store_selection(tl.max(chosen.to(tl.int32), 0), all_blocks,
                          INDICES + b.to(tl.int64) * stride_ib + sel_head * stride_ih, stride_ik,
                          COUNTS + b * stride_cb + sel_head * stride_ch, num_blocks, NB_PAD)
