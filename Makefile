@@ -21,12 +21,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/generate.py
 
+# Workers for the interpreter runs (single-threaded Python, so one per core; at most 4).
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 # The suite, then the Triton kernels against their references in Triton's CPU interpreter, and the model
 # tests whose Triton variants need it.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_static_decode.py
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests/test_features.py tests/test_equivalence.py -k "triton or probe"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_static_decode.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_equivalence.py -k "triton or probe"
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests
