@@ -58,6 +58,21 @@ def main() -> None:
             path.unlink()
 
 
+def compare(modules: dict, select, label: str, rounds: int, timer, unit: str) -> None:
+    """Check every variant's selection against the current kernel's, then time them, interleaved, ``rounds`` times."""
+    base = select(current)
+    for name, module in modules.items():
+        got = select(module)
+        same = torch.equal(got.indices, base.indices) and torch.equal(got.counts, base.counts)
+        print(f"{label} {name}: selection equal to current: {same}")
+    times = {name: [] for name in modules}
+    for _ in range(rounds):
+        for name, module in modules.items():
+            times[name].append(timer(lambda: select(module)))
+    for name, values in times.items():
+        print(f"{label} {name}: " + " / ".join(f"{v:.2f}" for v in values) + f" {unit}")
+
+
 def run(modules: dict, lengths: list[int], rounds: int) -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for length in lengths:
@@ -70,19 +85,8 @@ def run(modules: dict, lengths: list[int], rounds: int) -> None:
                                         block_size=BLOCK, top_k=PREFILL_TOP_K, query_tile=BLOCK, head_union=False,
                                         sink_blocks=1, search_steps=steps)
 
-        base = select(current)
-        for name, module in modules.items():
-            got = select(module)
-            same = torch.equal(got.indices, base.indices) and torch.equal(got.counts, base.counts)
-            print(f"{length} {name}: selection equal to current: {same}")
-        times = {name: [] for name in modules}
-        for _ in range(rounds):
-            for name, module in modules.items():
-                times[name].append(median_ms(lambda: select(module)))
-        no_search = median_ms(lambda: select(current, 0))
-        for name, values in times.items():
-            print(f"{length} {name}: " + " / ".join(f"{v:.2f}" for v in values) + " ms")
-        print(f"{length} current, search skipped: {no_search:.2f} ms")
+        compare(modules, select, str(length), rounds, median_ms, "ms")
+        print(f"{length} current, search skipped: {median_ms(lambda: select(current, 0)):.2f} ms")
         del query, key, summ
         torch.cuda.empty_cache()
 
@@ -100,17 +104,7 @@ def run_decode(modules: dict, lengths: list[int], rounds: int) -> None:
                                             kv_start=kv_start, block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1,
                                             head_union=True, sink_blocks=1)
 
-            base = select(current)
-            for name, module in modules.items():
-                got = select(module)
-                same = torch.equal(got.indices, base.indices) and torch.equal(got.counts, base.counts)
-                print(f"{length} batch {batch} {name}: selection equal to current: {same}")
-            times = {name: [] for name in modules}
-            for _ in range(rounds):
-                for name, module in modules.items():
-                    times[name].append(1000 * graph_ms(lambda: select(module)))
-            for name, values in times.items():
-                print(f"{length} batch {batch} {name}: " + " / ".join(f"{v:.1f}" for v in values) + " us")
+            compare(modules, select, f"{length} batch {batch}", rounds, lambda fn: 1000 * graph_ms(fn), "us")
             del query, key, summ
             torch.cuda.empty_cache()
 
