@@ -293,14 +293,15 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method).to(device), build(config, "sdpa").to(device)
     dense_config, sparse_config = fallback_configs(method)
-    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(3)).to(device)
+    length = 320  # >= 4 x the probe's 64 queries: probed; < 4 x 1024: not
+    ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(3)).to(device)
     calls = []
     policy = attention.METHODS[method]
     original = policy.select_prefill
     monkeypatch.setattr(policy, "select_prefill", lambda self, query, *a, **k: calls.append(query.shape[2])
                         or original(self, query, *a, **k))
     with torch.no_grad():
-        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)  # 600 >= 4 x 64: probed
+        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)
         hf_sparse.configure(sparse, dense_config)
         with hf_sparse.record_sparsity() as rec:
             out = sparse(ids).logits
@@ -320,9 +321,9 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         calls.clear()
         with hf_sparse.record_sparsity() as rec:
             probed = sparse(ids).logits
-        assert calls == [64, 600, 64, 600] and not rec.dense_layers()
-        monkeypatch.setattr(attention, "PROBE_QUERIES", 1024)  # 600 < 4 x 1024: no probe
+        assert calls == [64, length, 64, length] and not rec.dense_layers()
+        monkeypatch.setattr(attention, "PROBE_QUERIES", 1024)
         calls.clear()
         unprobed = sparse(ids).logits
-        assert calls == [600, 600]
+        assert calls == [length, length]
         assert torch.equal(probed, unprobed)

@@ -297,12 +297,13 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
     calls = []
     original = kernels.recent_block_summaries
     monkeypatch.setattr(kernels, "recent_block_summaries", lambda *a, **k: calls.append(1) or original(*a, **k))
-    dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, 20)
+    steps = 16  # positions 70..85 (the padded row: 65..80 of its own): both rows cross a block boundary
+    dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
     static_cache = SparseCache(model.config, max_cache_len=95, kv_dtype=kv_dtype)
-    static = decode_logits(model, static_cache, ids, mask, 20)
+    static = decode_logits(model, static_cache, ids, mask, steps)
     on_device = kernels.backend_for(ids.float()) == "triton"
-    assert len(calls) == (20 * 2 if on_device else 0)  # the two sparse layers of each decode step
-    assert static_cache.layers[0].length == 90 and int(static_cache.layers[0].device_length) == 90
+    assert len(calls) == (steps * 2 if on_device else 0)  # the two sparse layers of each decode step
+    assert static_cache.layers[0].length == 70 + steps and int(static_cache.layers[0].device_length) == 70 + steps
     if on_device:
         torch.testing.assert_close(static, dynamic, atol=1e-4, rtol=1e-4)
     else:
