@@ -152,13 +152,13 @@ def test_int8_cache_with_other_blocks_summarises_dequantized_keys(backend, monke
     model = build(tiny_config("llama", 8, 2, head_dim=32), "plas")
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 2), decode_top_k=(2, 3),
                                                     dense_below=0, dense_layers=(), query_union=16))
-    # 150 + 10 tokens: decode crosses a block boundary of both sizes (160)
-    ids = torch.randint(3, 128, (2, 160), generator=torch.Generator().manual_seed(8))
+    # 124 + 6 tokens: decode crosses a block boundary of both sizes (128)
+    ids = torch.randint(3, 128, (2, 130), generator=torch.Generator().manual_seed(8))
 
     def run(cache):
         with torch.no_grad(), hf_sparse.record_sparsity(keep_inputs=True) as rec:
-            steps = [model(ids[:, :150], past_key_values=cache).logits]
-            steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(150, 160)]
+            steps = [model(ids[:, :124], past_key_values=cache).logits]
+            steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(124, 130)]
         return torch.cat(steps, 1), rec
 
     logits, rec = run(hf_sparse.SparseCache(model.config, block_size=32, kv_dtype="int8"))
