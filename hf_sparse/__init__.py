@@ -2,8 +2,8 @@
 
 Importing the package registers ``attn_implementation="plas"``, ``"xattn"`` and ``"star"``.
 """
-from . import star
-from .attention import record_sparsity
+from . import star_attention
+from .recording import record_sparsity
 from .cache import SparseCache
 from .config import PLASConfig, StarConfig, XAttnConfig
 from .gates import GATE_FILENAME, GateFileError, load_gates, push_gates_to_hub, save_gates
@@ -30,7 +30,7 @@ __all__ = [
     "push_gates_to_hub",
     "record_sparsity",
     "save_gates",
-    "star",
+    "star_attention",
     "train_gates",
     "unpatch",
 ]

@@ -10,6 +10,7 @@ from transformers.generation import utils as _generation_utils
 from . import kernels
 from .kernels import reference
 from .config import KV_CACHE_DTYPES
+from .selection import RowLayout
 
 #: The keyword models and ``generate()`` take a cache by: ``cache`` from transformers 5.24 on (``past_key_values``
 #: before; still accepted there, with a deprecation warning).
@@ -80,7 +81,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage: torch.Tensor | None = None
         self.summarized_blocks = 0
         self._summary_source: tuple[Any, ...] | None = None
-        self.kv_start: torch.Tensor | None = None
+        self.row_layout: RowLayout | None = None
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -185,37 +186,39 @@ class SparseCacheLayer(CacheLayerMixin):
         self.device_length.add_(key_states.shape[2])
 
     # -- summaries ----------------------------------------------------------------------------------------
-    def block_summaries(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor) -> torch.Tensor:
+    def block_summaries(self, gate_weight: torch.Tensor | None, row_layout: RowLayout | torch.Tensor) -> torch.Tensor:
         """Summaries of every row block ``[B, H, num_blocks, D]`` (blocks counted from each row's first slot).
 
         Blocks full in every row are summarised once (``kernels.block_summaries``); the later, partly filled
         ones (at most the padding spread plus one) are recomputed exactly on each call.
-        A different gate recomputes all. The padding layout ``kv_start`` is taken when the sequence starts
-        and kept (one host read per sequence, none per decode step).
+        A different gate recomputes all. The padding layout ``row_layout`` is taken when the sequence starts
+        and kept (its range is known on the host: no read per call).
         """
         source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
         if source != self._summary_source:
             self.summarized_blocks = 0
             self._summary_source = source
-        if self.kv_start is None:
-            self.set_padding(kv_start)
-        kv_start = self.kv_start
-        least_pad, most_pad = reference.kv_start_range(kv_start)  # its note: no host read
+        if self.row_layout is None:
+            self.set_padding(row_layout)
+        row_layout = self.row_layout
+        least_pad, most_pad = row_layout.low, row_layout.high
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
         if full_blocks > self.summarized_blocks:
-            self._summarize(gate_weight, kv_start, self.summarized_blocks, full_blocks)
+            self._summarize(gate_weight, row_layout, self.summarized_blocks, full_blocks)
             self.summarized_blocks = full_blocks
         if total_blocks > full_blocks:
-            self._summarize(gate_weight, kv_start, full_blocks, total_blocks)
+            self._summarize(gate_weight, row_layout, full_blocks, total_blocks)
         return self.summary_storage[:, :, :total_blocks]
 
-    def set_padding(self, kv_start: torch.Tensor) -> None:
-        """Take the sequence's padding layout (left-padding slots per row; one host read per sequence), and lay
-        int8 values out for it (blocked when every row starts at one slot on the block grid)."""
-        self.kv_start = reference.note_range(kv_start.clone(), *reference.kv_start_range(kv_start))
+    def set_padding(self, row_layout: RowLayout | torch.Tensor) -> None:
+        """Take the sequence's padding layout (left-padding slots per row: a :class:`RowLayout`, or a tensor whose
+        range is then read once), and lay int8 values out for it (blocked when every row starts at one slot on
+        the block grid)."""
+        row_layout = RowLayout.of(row_layout)
+        self.row_layout = RowLayout(row_layout.starts.clone(), row_layout.low, row_layout.high)
         if self.quantized:
-            self._lay_out_values(reference.shared_aligned_start(self.kv_start, self.block_size))
+            self._lay_out_values(self.row_layout.aligned(self.block_size))
         self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
@@ -223,14 +226,14 @@ class SparseCacheLayer(CacheLayerMixin):
         tokens, reading the length on the device (no host state is read or changed: CUDA-graph safe), and
         return the whole summary storage ``[B, H, capacity // block_size, D]``. Earlier blocks were summarised
         by :meth:`block_summaries` (prefill) or by earlier calls."""
-        return kernels.recent_block_summaries(self.key_storage, gate_weight, self.kv_start, self.block_size,
+        return kernels.recent_block_summaries(self.key_storage, gate_weight, self.row_layout, self.block_size,
                                               self.device_length, recent, self.summary_storage,
                                               key_scale=self.key_scale_storage, dtype=self.dtype)
 
-    def _summarize(self, gate_weight: torch.Tensor | None, kv_start: torch.Tensor, first: int, end: int) -> None:
+    def _summarize(self, gate_weight: torch.Tensor | None, row_layout: RowLayout, first: int, end: int) -> None:
         """Write the summaries of row blocks ``[first, end)`` into the storage (int8 keys dequantised to the
         dtype the model computes in)."""
-        kernels.block_summaries(self.key_storage[:, :, : self.length], gate_weight, kv_start, self.block_size, first,
+        kernels.block_summaries(self.key_storage[:, :, : self.length], gate_weight, row_layout, self.block_size, first,
                                 end - first, out=self.summary_storage[:, :, first:end],
                                 key_scale=self.key_scale_storage[:, :, : self.length] if self.quantized else None,
                                 dtype=self.dtype)
@@ -251,7 +254,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.length = 0
         self.summarized_blocks = 0
         self._summary_source = None
-        self.kv_start = None
+        self.row_layout = None
         self.keys = self.values = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -263,7 +266,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.length = new_length
         if self.device_length is not None:
             self.device_length.fill_(new_length)
-        most_pad = reference.kv_start_range(self.kv_start)[1] if self.kv_start is not None else 0
+        most_pad = self.row_layout.high if self.row_layout is not None else 0
         self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - most_pad) // self.block_size)
         if new_length == 0:
             self.reset()
@@ -280,9 +283,8 @@ class SparseCacheLayer(CacheLayerMixin):
             self.key_scale_storage = fn(self.key_scale_storage)
             self.value_scale_storage = fn(self.value_scale_storage)
         self.summary_storage = fn(self.summary_storage)
-        if self.kv_start is not None:
-            self.kv_start = fn(self.kv_start)
-            reference.note_range(self.kv_start, *reference.kv_start_range(self.kv_start))
+        if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
+            self.row_layout = RowLayout.read(fn(self.row_layout.starts))
         self.version += 1
         self._views()
 

@@ -344,7 +344,7 @@ class StarConfig(_MethodConfig):
         anchor_size: leading context tokens (the anchor, with their true positions) every block attends besides
             itself; must divide ``block_size``. ``None`` means ``block_size`` (the paper's default).
         query_tokens: the rule for a plain ``generate()``/forward without a past: the last ``query_tokens`` prompt
-            tokens are the query (global attention), the rest is context. ``hf_sparse.star.generate`` takes the
+            tokens are the query (global attention), the rest is context. ``hf_sparse.star_attention.generate`` takes the
             split explicitly and ignores this field.
         dense_layers: layer indices that always run dense (single process only); negative values count from the
             end (-1 = last).

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .attention import LayerRecord, record_sparsity
+from .recording import LayerRecord, record_sparsity
 from .config import CONFIG_KEY, PLASConfig
 from .integration import configure
 

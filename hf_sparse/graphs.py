@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .attention import _RECORDERS, DECODE_MAX_QUERY, method_config
+from .attention import DECODE_MAX_QUERY, method_config
+from .recording import recording
 from .cache import CACHE_KWARGS, SparseCache
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,17 @@ def _cache_of(mapping: Any) -> Any:
 
 #: Attribute of the model holding its :class:`GraphStats` (plain data: the model still copies and pickles).
 _STATS_ATTR = "_hf_sparse_graph_stats"
+
+_RECORDING_NOTED: list[bool] = []
+
+
+def _note_recording() -> None:
+    """Say once per process that record_sparsity() decodes without CUDA graphs."""
+    if not _RECORDING_NOTED:
+        _RECORDING_NOTED.append(True)
+        logger.warning("hf_sparse: decode runs eagerly inside record_sparsity() (its block counts are read back "
+                       "every step, so no CUDA graph; about 10x slower decode on small models): time generate() "
+                       "outside it")
 
 
 @dataclass
@@ -97,8 +109,10 @@ class DecodeGraphs:
     # -- which calls -------------------------------------------------------------------------------------
     def _graph_key(self, kwargs: dict[str, Any]) -> tuple | None:
         """What a captured graph is specific to, or None when this call must run eagerly."""
-        if (self.stats.disabled_reason is not None or _RECORDERS or torch.is_grad_enabled()
-                or not set(kwargs) <= _ACCEPTED):
+        if recording():
+            _note_recording()
+            return None
+        if self.stats.disabled_reason is not None or torch.is_grad_enabled() or not set(kwargs) <= _ACCEPTED:
             return None
         cache, input_ids = _cache_of(kwargs), kwargs.get("input_ids")
         position_ids = kwargs.get("position_ids")
@@ -117,7 +131,7 @@ class DecodeGraphs:
         steps = input_ids.shape[1]
         for layer in cache.layers:
             if (not getattr(layer, "static", False) or layer.key_storage is None
-                    or layer.kv_start is None or layer.length + steps > layer.capacity):
+                    or layer.row_layout is None or layer.length + steps > layer.capacity):
                 return None
         if cache.layers[0].length < config.dense_threshold("decode"):
             return None  # short sequences decode dense (sdpa, bit-equal), on the host's length

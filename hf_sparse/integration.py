@@ -19,7 +19,7 @@ from . import graphs, kernels
 from .attention import dense_attention, method_config, sparse_attention_forward
 from .cache import CACHE_KWARG, SparseCache
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
-from .star import star_attention_forward
+from .star_attention import star_attention_forward
 
 logger = logging.getLogger(__name__)
 

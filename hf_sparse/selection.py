@@ -1,4 +1,5 @@
-"""BlockSelection: the one block-index format passed from selection methods to attention kernels."""
+"""The block-index format passed from selection methods to attention kernels: BlockSelection (which blocks)
+and RowLayout (where each row's blocks start)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,3 +66,66 @@ class BlockSelection:
         safe = torch.where(self.indices >= 0, self.indices, torch.full_like(self.indices, num_blocks))
         mask.scatter_(-1, safe.long(), True)
         return mask[..., :num_blocks]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row's sequence starts among its key slots (left padding), with the range known on the host.
+
+    Attributes:
+        starts: integer ``[batch]``: row ``b`` holds its sequence in key slots ``starts[b] <= s < Skv``
+            (the count of left-padding slots); blocks and query tiles are counted from there.
+        low, high: ``min`` / ``max`` of ``starts`` as host ints, so that launchers size their grids and pick
+            their layouts without reading the device.
+
+    Made once per sequence (from the padding mask, one host read: :meth:`read`) and passed down from the cache
+    to the kernels. The kernels take a plain tensor too (then they read its range when they need it).
+    """
+
+    starts: torch.Tensor
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if self.starts.dim() != 1 or self.starts.is_floating_point():
+            raise ValueError(f"RowLayout.starts must be an integer [batch] tensor, got {tuple(self.starts.shape)} "
+                             f"{self.starts.dtype}")
+        if not 0 <= self.low <= self.high:
+            raise ValueError(f"RowLayout range must satisfy 0 <= low <= high, got low={self.low}, high={self.high}")
+
+    @classmethod
+    def read(cls, starts: torch.Tensor) -> "RowLayout":
+        """The layout of ``starts``, its range read from the device (one host read)."""
+        if starts.numel() == 0:
+            return cls(starts, 0, 0)
+        low, high = torch.stack([starts.min(), starts.max()]).tolist()
+        return cls(starts, int(low), int(high))
+
+    @classmethod
+    def uniform(cls, batch: int, device: torch.device | str | None = None, start: int = 0) -> "RowLayout":
+        """Every row starting at slot ``start`` (no padding by default); nothing is read back."""
+        return cls(torch.full((batch,), start, dtype=torch.int64, device=device), start, start)
+
+    @classmethod
+    def of(cls, kv_start: "torch.Tensor | RowLayout") -> "RowLayout":
+        """``kv_start`` itself when it is a layout, else the layout of the tensor (one host read)."""
+        return kv_start if isinstance(kv_start, RowLayout) else cls.read(kv_start)
+
+    @property
+    def batch(self) -> int:
+        return self.starts.shape[0]
+
+    def to(self, device: torch.device | str) -> "RowLayout":
+        """The same layout with ``starts`` on ``device``."""
+        return self if self.starts.device == torch.device(device) else RowLayout(self.starts.to(device), self.low,
+                                                                                   self.high)
+
+    def aligned(self, multiple: int) -> bool:
+        """Whether every row starts at one slot that is a multiple of ``multiple`` (no padding, or the same in
+        every row): then tiles of ``multiple`` slots counted from each row's start lie on the storage grid."""
+        return self.low == self.high and self.low % multiple == 0
+
+
+def row_starts(kv_start: "torch.Tensor | RowLayout") -> torch.Tensor:
+    """The per-row start tensor of a :class:`RowLayout` or of a plain tensor."""
+    return kv_start.starts if isinstance(kv_start, RowLayout) else kv_start

@@ -70,11 +70,11 @@ def test_right_padding_is_rejected():
 def test_padding_layout_is_read_once_per_forward(monkeypatch, dense):
     """Every layer gets the same mask: its host read (a sync on CUDA) happens once per forward, and the
     outputs stay those of sdpa for the padded batch."""
-    from hf_sparse import attention
+    from hf_sparse import padding
 
     reads = []
-    read_layout = attention._read_layout
-    monkeypatch.setattr(attention, "_read_layout", lambda *args: reads.append(1) or read_layout(*args))
+    read_layout = padding.read_layout
+    monkeypatch.setattr(padding, "read_layout", lambda *args: reads.append(1) or read_layout(*args))
     config = tiny_config("llama", 6, 2)
     model, reference_model = build(config, "plas"), build(config, "sdpa")
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(10_000, 10_000),
@@ -239,7 +239,7 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
 
     import hf_sparse.attention as attention
 
-    monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method), build(config, "sdpa")
     dense_config, sparse_config = fallback_configs(method)
@@ -267,12 +267,12 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
 def test_probe_threshold_counts_the_selection_still_to_run():
     """The probe's dense threshold: dense_above_density less the selection's share of dense time (measured
     shares: PLAS's falls with queries x head dim, XAttention's scoring is quadratic like attention)."""
-    import hf_sparse.attention as attention
+    from hf_sparse import density
     from hf_sparse.methods import METHODS
 
-    assert attention.probe_threshold(0.75, 0.0) == 0.75
-    assert attention.probe_threshold(0.75, 0.2) == pytest.approx(0.6)
-    assert attention.probe_threshold(0.75, 1.5) == 0.0
+    assert density.probe_threshold(0.75, 0.0) == 0.75
+    assert density.probe_threshold(0.75, 0.2) == pytest.approx(0.6)
+    assert density.probe_threshold(0.75, 1.5) == 0.0
     plas = METHODS["plas"](hf_sparse.PLASConfig())
     assert plas.selection_share(32768, 64) == pytest.approx(4 * plas.selection_share(131072, 64))
     assert plas.selection_share(32768, 64) == pytest.approx(2 * plas.selection_share(32768, 128))
@@ -288,7 +288,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     probe. Runs the Triton selection kernels under TRITON_INTERPRET=1 (and on CUDA)."""
     import hf_sparse.attention as attention
 
-    monkeypatch.setattr(attention, "_falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method).to(device), build(config, "sdpa").to(device)

@@ -9,8 +9,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import hf_sparse
-from hf_sparse import star
-from hf_sparse.attention import dequantized_kv
+from hf_sparse import star_attention
+from hf_sparse.dense import dequantized_kv
 from hf_sparse.kernels import reference as ref
 
 from conftest import build, full_density, tiny_config
@@ -251,7 +251,7 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
     mask[1, :21] = 0
 
     copies = []
-    monkeypatch.setattr(star, "dequantized_kv", lambda *args: copies.append(1) or dequantized_kv(*args))
+    monkeypatch.setattr(star_attention, "dequantized_kv", lambda *args: copies.append(1) or dequantized_kv(*args))
 
     caches = []
 

@@ -239,9 +239,19 @@ def test_alibi_selection_prefers_near_blocks():
         assert mask[0, :, query, own - 1:own + 1].all() and not mask[0, :, query, :max(0, own - 2)].any()
 
 
-def test_kv_start_range_note_is_voided_by_an_in_place_change():
-    kv_start = ref.note_range(torch.tensor([0, 5, 2]), 0, 5)
-    assert ref.kv_start_range(kv_start) == (0, 5)
-    kv_start.add_(1)  # the note would now be stale: it is ignored and the tensor read
-    assert ref.kv_start_range(kv_start) == (1, 6)
-    assert ref.kv_start_range(torch.tensor([3, 7])) == (3, 7)  # no note: read
+def test_row_layout_carries_its_range_and_plain_tensors_are_read():
+    from hf_sparse.selection import RowLayout
+
+    layout = RowLayout.read(torch.tensor([0, 5, 2]))
+    assert (layout.low, layout.high) == (0, 5) and ref.kv_start_range(layout) == (0, 5)
+    assert ref.kv_start_range(torch.tensor([3, 7])) == (3, 7)  # a plain tensor: read
+    uniform = RowLayout.uniform(3, "cpu", start=16)
+    assert uniform.aligned(16) and not uniform.aligned(32) and torch.equal(uniform.starts, torch.full((3,), 16))
+    assert not layout.aligned(1)  # rows start at different slots
+    assert RowLayout.of(layout) is layout
+    # the layout's range is what the kernels size their grids by: no read of the tensor
+    assert ref.num_row_blocks(40, RowLayout(torch.tensor([7, 9]), 7, 9), 16) == 3
+    with pytest.raises(ValueError, match="integer \\[batch\\]"):
+        RowLayout(torch.zeros(2, 2, dtype=torch.long), 0, 0)
+    with pytest.raises(ValueError, match="low <= high"):
+        RowLayout(torch.tensor([1, 2]), 2, 1)

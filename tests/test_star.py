@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse
-from hf_sparse import distributed, star
+from hf_sparse import distributed, star_attention
 from hf_sparse.config import CONFIG_KEY, StarConfig, config_from_dict
 from hf_sparse.integration import padding_mask
 from hf_sparse.methods.star import StarMethod
@@ -144,7 +144,7 @@ def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size):
 
 def test_logn_scaling_scales_each_query_by_its_true_position():
     """logN on the Star path equals the explicit-mask reference on queries scaled by their row positions, and
-    star.generate (positions passed per phase) equals a plain generate() with it."""
+    star_attention.generate (positions passed per phase) equals a plain generate() with it."""
     import dataclasses
 
     from hf_sparse.kernels import reference as ref
@@ -183,7 +183,7 @@ def test_logn_scaling_scales_each_query_by_its_true_position():
     kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
         whole = model.generate(ids, attention_mask=mask, **kwargs)
-        split = star.generate(model, ids[:, :-7], ids[:, -7:], attention_mask=mask[:, :-7], **kwargs)
+        split = star_attention.generate(model, ids[:, :-7], ids[:, -7:], attention_mask=mask[:, :-7], **kwargs)
     assert torch.equal(split.sequences, whole.sequences)
     for a, b in zip(split.logits, whole.logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
@@ -214,7 +214,7 @@ def test_star_generate_equals_plain_generate_with_the_same_split():
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
         plain = model.generate(ids, attention_mask=mask, **kwargs)
-        split = star.generate(model, context, query, attention_mask=mask[:, :-query_tokens], **kwargs)
+        split = star_attention.generate(model, context, query, attention_mask=mask[:, :-query_tokens], **kwargs)
     assert recorder.density("context") < 0.8
     assert torch.equal(split.sequences, plain.sequences)
     for a, b in zip(split.logits, plain.logits):
@@ -222,10 +222,10 @@ def test_star_generate_equals_plain_generate_with_the_same_split():
 
     # One encoded context answers two queries, each as a fresh run would.
     other = torch.randint(3, 128, (2, 9))
-    encoded = star.encode_context(model, context, attention_mask=mask[:, :-query_tokens])
-    first = star.generate_from_context(model, encoded, query, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    second = star.generate_from_context(model, encoded, other, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    fresh = star.generate(model, context, other, attention_mask=mask[:, :-query_tokens], max_new_tokens=5,
+    encoded = star_attention.encode_context(model, context, attention_mask=mask[:, :-query_tokens])
+    first = star_attention.generate_from_context(model, encoded, query, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    second = star_attention.generate_from_context(model, encoded, other, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    fresh = star_attention.generate(model, context, other, attention_mask=mask[:, :-query_tokens], max_new_tokens=5,
                           do_sample=False, pad_token_id=0)
     assert torch.equal(first, plain.sequences[:, context.shape[1]:])
     assert torch.equal(second, fresh[:, context.shape[1]:])
@@ -237,13 +237,13 @@ def test_generate_errors():
     ids = torch.randint(3, 128, (1, 40))
     dense = build(config, "sdpa")
     with pytest.raises(ValueError, match="never called the Star attention"):
-        star.generate(dense, ids[:, :30], ids[:, 30:], config=StarConfig(block_size=16), max_new_tokens=2)
+        star_attention.generate(dense, ids[:, :30], ids[:, 30:], config=StarConfig(block_size=16), max_new_tokens=2)
     model = star_model(config, StarConfig(block_size=16))
     with pytest.raises(TypeError, match="attention_mask"):
-        star.generate_from_context(model, star.encode_context(model, ids[:, :30]), ids[:, 30:],
+        star_attention.generate_from_context(model, star_attention.encode_context(model, ids[:, :30]), ids[:, 30:],
                                    attention_mask=torch.ones_like(ids))
     with pytest.raises(ValueError, match="query_ids"):
-        star.generate_from_context(model, star.encode_context(model, ids[:, :30]), ids[0, 30:])
+        star_attention.generate_from_context(model, star_attention.encode_context(model, ids[:, :30]), ids[0, 30:])
 
 
 # -- two processes (gloo) ---------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def _dist_inputs():
 
 
 def _dist_run(model, context, query, **extra):
-    return star.generate(model, context, query, max_new_tokens=DIST_NEW, do_sample=False, output_logits=True,
+    return star_attention.generate(model, context, query, max_new_tokens=DIST_NEW, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, **extra)
 
 
@@ -272,10 +272,10 @@ def _dist_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         context, query = _dist_inputs()
         result = _dist_run(model, context, query)
         stored = [layer.get_seq_length() for layer in result.past_key_values.layers]
-        encoded = star.encode_context(model, context)
+        encoded = star_attention.encode_context(model, context)
         short = _dist_run(model, context[:, :24], query)          # < dense_below: every rank encodes it whole
         try:
-            star.encode_context(model, context, attention_mask=torch.ones_like(context).index_fill_(1, torch.tensor([0]), 0))
+            star_attention.encode_context(model, context, attention_mask=torch.ones_like(context).index_fill_(1, torch.tensor([0]), 0))
             padded_rejected = False
         except NotImplementedError:
             padded_rejected = True

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..selection import row_starts
 from . import reference
 from ._common import check_append_inputs
 
@@ -97,10 +98,10 @@ def _reference_summaries(keys, gate_weight, kv_start, block_size, first_block, n
     if key_scale is None:
         return reference.block_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks)
     length = keys.shape[2]
-    kv_start = kv_start.to(keys.device)
     if num_blocks is None:
         num_blocks = reference.num_row_blocks(length, kv_start, block_size) - first_block
     fewest, most = reference.kv_start_range(kv_start)
+    kv_start = row_starts(kv_start).to(keys.device)
     low = min(length, fewest + first_block * block_size)
     high = min(length, most + (first_block + num_blocks) * block_size)
     window = reference.dequantize_per_token(keys[:, :, low:high], key_scale[:, :, low:high]).to(dtype)

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 from .reference import shared_aligned_start
 
 
@@ -40,7 +40,7 @@ def check_token_scale(name: str, scale: torch.Tensor, key: torch.Tensor) -> None
 
 
 def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           selection: BlockSelection, kv_start: torch.Tensor,
+                           selection: BlockSelection, kv_start: torch.Tensor | RowLayout,
                            key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
     """Raise a clear error for inputs the attention kernels do not take."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() not in (4, 5):
@@ -74,7 +74,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
     if sel_heads == 0 or q_heads % sel_heads or sel_heads % kv_heads:
         raise ValueError(f"selection has {sel_heads} head rows; need a divisor of {q_heads} query heads and a "
                          f"multiple of {kv_heads} KV heads")
-    if selection.indices.shape[0] != batch or kv_start.shape != (batch,) or kv_start.is_floating_point():
+    starts = row_starts(kv_start)
+    if selection.indices.shape[0] != batch or starts.shape != (batch,) or starts.is_floating_point():
         raise ValueError("selection / kv_start ([batch] integers) do not match the query")
     if selection.indices.dtype != torch.int32 or selection.counts.dtype != torch.int32:
         raise TypeError("selection indices and counts must be int32")
@@ -223,7 +224,7 @@ def value_args(value: torch.Tensor) -> tuple[tuple[int, ...], int]:
     return (stride_b, stride_h, stride_s, stride_d, stride_block), value.shape[4]
 
 
-def values_aligned(value_block: int, kv_start: torch.Tensor, block_n: int) -> bool:
+def values_aligned(value_block: int, kv_start: torch.Tensor | RowLayout, block_n: int) -> bool:
     """Whether every key tile of ``block_n`` slots lies inside one storage block of blocked values: the rows
     share one start that is a multiple of ``block_n`` (no padding, the usual case; read from ``kv_start``'s
     note when it has one)."""
@@ -236,7 +237,7 @@ def wide_offsets(*tensors: torch.Tensor) -> bool:
 
 
 def attention_outputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, selection: BlockSelection,
-                      kv_start: torch.Tensor, logn_base: int | None, skip: torch.Tensor | None,
+                      kv_start: torch.Tensor | RowLayout, logn_base: int | None, skip: torch.Tensor | None,
                       key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
                       alibi_slopes: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None):
     """Validate a sparse-attention call and prepare what every attention launcher passes on: ``(out, lse,

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_length, check_token_scale, next_power_of_2
+from ..selection import RowLayout, row_starts
 from .reference import kv_start_range
 
 
@@ -82,7 +83,7 @@ def _block_summaries_kernel(
 def block_summaries(
     keys: torch.Tensor,
     gate_weight: torch.Tensor | None,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     first_block: int = 0,
     num_blocks: int | None = None,
@@ -101,6 +102,9 @@ def block_summaries(
     if keys.dim() != 4 or not (keys.is_floating_point() or keys.dtype == torch.int8):
         raise ValueError(f"keys must be a floating or int8 [B, Hkv, Skv, D] tensor, got {tuple(keys.shape)} {keys.dtype}")
     batch, heads, length, dim = keys.shape
+    if num_blocks is None:
+        num_blocks = -(-(length - kv_start_range(kv_start)[0]) // block_size) - first_block
+    kv_start = row_starts(kv_start)
     if kv_start.shape != (batch,) or kv_start.is_floating_point():
         raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
     _check_gate(gate_weight, keys, block_size)
@@ -108,8 +112,6 @@ def block_summaries(
     if block_size < 1 or first_block < 0:
         raise ValueError(f"block_size must be >= 1 and first_block >= 0, got {block_size}, {first_block}")
     kv_start = kv_start.to(keys.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
-    if num_blocks is None:
-        num_blocks = -(-(length - kv_start_range(kv_start)[0]) // block_size) - first_block
     num_blocks = max(0, num_blocks)
     if out is None:
         out = torch.empty(batch, heads, num_blocks, dim, dtype=torch.float32, device=keys.device)
@@ -125,7 +127,7 @@ def block_summaries(
 def recent_block_summaries(
     keys: torch.Tensor,
     gate_weight: torch.Tensor | None,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     length: torch.Tensor,
     recent: int,
@@ -147,7 +149,7 @@ def recent_block_summaries(
     _check_gate(gate_weight, keys, block_size)
     _check_scale(keys, key_scale, dtype)
     # `recent` <= block_size slots span at most two blocks of a row.
-    _launch(keys, gate_weight, kv_start.to(keys.device), block_size, out, (batch * heads, 2), 0, 0,
+    _launch(keys, gate_weight, row_starts(kv_start).to(keys.device), block_size, out, (batch * heads, 2), 0, 0,
             check_length(length, keys.device), recent, key_scale, dtype)
     return out
 

@@ -10,6 +10,8 @@ Conventions shared with the Triton ops:
     slots ``kv_start[b] + [j * block_size, (j + 1) * block_size)``; query tile ``t`` of row ``b`` holds
     queries ``pad_q[b] + [t * query_tile, (t + 1) * query_tile)`` where
     ``pad_q[b] = clamp(kv_start[b] - q_offset, 0, Sq)`` is the number of padding queries of the call;
+  * ``kv_start`` is a :class:`~hf_sparse.selection.RowLayout` (the starts with their range known on the host,
+    as the cache passes it down) or a plain ``[B]`` tensor, whose range is then read where it is needed;
   * scores, softmax and accumulation are float32; a query that sees no valid key (padding) outputs
     zeros and log-sum-exp ``-inf``.
 """
@@ -19,7 +21,7 @@ import math
 
 import torch
 
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 
 # Queries processed together in the reference loops: bounds peak memory at long lengths.
 _QUERY_CHUNK = 1024
@@ -29,43 +31,28 @@ def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-_RANGE_ATTR = "_hf_sparse_range"
+def kv_start_range(kv_start: torch.Tensor | RowLayout) -> tuple[int, int]:
+    """(min, max) of the row starts: a :class:`RowLayout`'s own, else read from the tensor (one host read)."""
+    layout = RowLayout.of(kv_start)
+    return layout.low, layout.high
 
 
-def note_range(kv_start: torch.Tensor, low: int, high: int) -> torch.Tensor:
-    """``kv_start`` noted with its (min, max) as host ints, so the helpers below need not read it from the
-    device; an in-place change of the tensor voids the note (it records the tensor's version)."""
-    setattr(kv_start, _RANGE_ATTR, (int(low), int(high), kv_start._version))
-    return kv_start
+def shared_aligned_start(kv_start: torch.Tensor | RowLayout, multiple: int) -> bool:
+    """:meth:`RowLayout.aligned` of ``kv_start`` (a plain tensor's range is read)."""
+    return RowLayout.of(kv_start).aligned(multiple)
 
 
-def kv_start_range(kv_start: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of ``kv_start``: its note (:func:`note_range`) if still valid, else one device-to-host read."""
-    known = getattr(kv_start, _RANGE_ATTR, None)
-    if known is not None and known[2] == kv_start._version:
-        return known[0], known[1]
-    low, high = torch.stack([kv_start.min(), kv_start.max()]).tolist()
-    return int(low), int(high)
-
-
-def shared_aligned_start(kv_start: torch.Tensor, multiple: int) -> bool:
-    """Whether every row starts at one slot that is a multiple of ``multiple`` (no padding, or the same in every
-    row): then tiles of ``multiple`` slots counted from each row's start lie on the storage grid."""
-    low, high = kv_start_range(kv_start)
-    return low == high and low % multiple == 0
-
-
-def num_row_blocks(key_length: int, kv_start: torch.Tensor, block_size: int) -> int:
+def num_row_blocks(key_length: int, kv_start: torch.Tensor | RowLayout, block_size: int) -> int:
     """Blocks of the longest row (the width of summaries and block masks)."""
     return _ceil_div(key_length - kv_start_range(kv_start)[0], block_size)
 
 
-def padding_queries(num_queries: int, q_offset: int, kv_start: torch.Tensor) -> torch.Tensor:
+def padding_queries(num_queries: int, q_offset: int, kv_start: torch.Tensor | RowLayout) -> torch.Tensor:
     """``pad_q[b]``: leading padding queries of each row in this call."""
-    return (kv_start - q_offset).clamp(0, num_queries)
+    return (row_starts(kv_start) - q_offset).clamp(0, num_queries)
 
 
-def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor, query_tile: int) -> int:
+def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor | RowLayout, query_tile: int) -> int:
     """Tiles of the row with the most real queries (1, without reading kv_start, when one tile spans the call)."""
     if query_tile >= num_queries:
         return 1
@@ -76,7 +63,7 @@ def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor, que
 def block_summaries(
     keys: torch.Tensor,
     gate_weight: torch.Tensor | None,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     first_block: int = 0,
     num_blocks: int | None = None,
@@ -88,11 +75,10 @@ def block_summaries(
     ``[B, Hkv, n, D]`` for row blocks ``first_block .. first_block + n - 1``.
     """
     batch, heads, length, dim = keys.shape
-    kv_start = kv_start.to(keys.device)
     if num_blocks is None:
         num_blocks = num_row_blocks(length, kv_start, block_size) - first_block
     offsets = first_block * block_size + torch.arange(num_blocks * block_size, device=keys.device)
-    slots = kv_start[:, None] + offsets[None, :]  # [B, n * bs]
+    slots = row_starts(kv_start).to(keys.device)[:, None] + offsets[None, :]  # [B, n * bs]
     valid = slots < length
     index = slots.clamp_max(length - 1)[:, None, :, None].expand(batch, heads, -1, dim)
     chunk = torch.gather(keys, 2, index).float().view(batch, heads, num_blocks, block_size, dim)
@@ -104,11 +90,12 @@ def block_summaries(
 
 
 def block_availability(
-    num_queries: int, num_blocks: int, q_offset: int | torch.Tensor, kv_start: torch.Tensor, block_size: int,
+    num_queries: int, num_blocks: int, q_offset: int | torch.Tensor, kv_start: torch.Tensor | RowLayout, block_size: int,
     key_length: int | torch.Tensor,
 ) -> torch.Tensor:
     """Boolean ``[B, Sq, num_blocks]``: the row block starts at or before the query's slot (and exists).
     ``q_offset`` / ``key_length`` may be one-element tensors on ``kv_start``'s device (no host read)."""
+    kv_start = row_starts(kv_start)
     device = kv_start.device
     q_slot = q_offset + torch.arange(num_queries, device=device)
     block_first = kv_start[:, None] + torch.arange(num_blocks, device=device)[None, :] * block_size  # [B, nb]
@@ -173,7 +160,7 @@ def select_blocks(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     top_k: tuple[int, int],
     query_tile: int,
@@ -193,8 +180,8 @@ def select_blocks(
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
     key_length = q_offset + num_queries if key_length is None else key_length
-    kv_start = kv_start.to(query.device)
     num_tiles = num_query_tiles(num_queries, q_offset, kv_start, query_tile)
+    kv_start = row_starts(kv_start).to(query.device)
     pad_q = padding_queries(num_queries, q_offset, kv_start)
     block_ids = torch.arange(num_blocks, device=query.device)
     tile_mask = torch.zeros(batch, q_heads, num_tiles + 1, num_blocks, dtype=torch.uint8, device=query.device)
@@ -232,7 +219,7 @@ def sparse_attention(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     logn_base: int | None = None,
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
@@ -273,7 +260,7 @@ def sparse_attention(
     block_size, query_tile = selection.block_size, selection.query_tile
     group = q_heads // kv_heads
     rows_per_head = q_heads // selection.num_heads
-    kv_start = kv_start.to(query.device)
+    kv_start = row_starts(kv_start).to(query.device)
     pad_q = padding_queries(num_queries, q_offset, kv_start)
     keys = key.float().repeat_interleave(group, dim=1)
     values = value.float().repeat_interleave(group, dim=1)
@@ -420,7 +407,7 @@ def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out,
     part = BlockSelection(selection.indices[rows], selection.counts[rows], selection.block_size, selection.query_tile)
     scales = {} if key_scale is None else {"key_scale": key_scale[rows], "value_scale": value_scale[rows]}
     part_out, part_lse = sparse_attention(query[rows], key[rows], value[rows], part,
-                                          kv_start=kv_start.to(query.device)[rows], **scales, **kwargs)
+                                          kv_start=row_starts(kv_start).to(query.device)[rows], **scales, **kwargs)
     out[rows] = part_out.to(out.dtype)
     lse[rows] = part_lse
     return out, lse
@@ -451,7 +438,7 @@ def antidiagonal_block_scores(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     stride: int,
     first_tile: int = 0,
@@ -482,13 +469,13 @@ def antidiagonal_block_scores(
     kv_heads, length = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     device = query.device
-    kv_start = kv_start.to(device)
     if block_size % stride:
         raise ValueError(f"stride {stride} must divide block_size {block_size}")
     groups_per_block = block_size // stride
     num_blocks = num_row_blocks(length, kv_start, block_size)
     if num_tiles is None:
         num_tiles = num_query_tiles(num_queries, q_offset, kv_start, block_size) - first_tile
+    kv_start = row_starts(kv_start).to(device)
     key_chunk = num_blocks * block_size if key_chunk is None else key_chunk
     blocks_per_chunk = max(1, key_chunk // block_size)
     num_q_groups = num_tiles * groups_per_block

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 from . import reference
 from ._common import alibi_args, check_length, interpreting, next_power_of_2, ticket_counters
 
@@ -279,7 +279,7 @@ def select_blocks(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     top_k: tuple[int, int],
     query_tile: int,
@@ -310,8 +310,9 @@ def select_blocks(
         raise ValueError(f"summaries {tuple(summaries.shape)} do not match query {tuple(query.shape)}")
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not summaries.is_floating_point():
         raise TypeError(f"query must be float16/bfloat16/float32, got {query.dtype}")
-    if kv_start.shape != (batch,) or kv_start.is_floating_point():
-        raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(kv_start.shape)} {kv_start.dtype}")
+    starts = row_starts(kv_start)
+    if starts.shape != (batch,) or starts.is_floating_point():
+        raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(starts.shape)} {starts.dtype}")
     if query.device != summaries.device:
         raise ValueError("query and summaries must be on one device")
     left, right = top_k
@@ -336,8 +337,8 @@ def select_blocks(
             raise ValueError("select_blocks: a device-side length is for decode (one query tile spanning the call)")
         q_offset = key_length = 0  # read from `length` in the kernel
     key_length = q_offset + num_queries if key_length is None else key_length
-    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
+    kv_start = starts.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     sel_heads = kv_heads if head_union else q_heads
     shape = (batch, sel_heads, num_tiles, num_blocks)
     if out is None:

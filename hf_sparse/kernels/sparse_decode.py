@@ -18,7 +18,7 @@ import triton.language as tl
 
 from triton.runtime.errors import OutOfResources
 
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
                       ticket_counters, value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
@@ -26,7 +26,7 @@ from .sparse_prefill import _attend_entries, _finish
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
-#: Launch settings (H100 defaults; benchmarks/tune_decode.py measures others).
+#: Launch settings (H100 defaults; `benchmarks/bench_attention.py --tune` measures others).
 TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "max_splits": 64}
 #: Overrides for int8 K/V, whose tiles take half the shared memory: a third stage (H100, 128K, docs/features.md).
 TUNING_INT8 = {"num_stages": 3}
@@ -154,7 +154,7 @@ def sparse_decode(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     logn_base: int | None = None,
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
@@ -201,7 +201,7 @@ def sparse_decode(
         tickets = ticket_counters(programs, query.device)
     indices = selection.indices[:, :, 0]
     counts = selection.counts[:, :, 0]
-    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    starts = row_starts(kv_start).to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     length_arg = check_length(length, query.device)
     if length is not None:
         q_offset = key_length = 0  # read from `length` in the kernel
@@ -214,7 +214,7 @@ def sparse_decode(
             continue
         try:
             _sparse_decode_kernel[(programs, splits)](
-                query, key, value, part_out, part_lse, indices, counts, kv_start, skip_flags, key_scale, value_scale, slopes,
+                query, key, value, part_out, part_lse, indices, counts, starts, skip_flags, key_scale, value_scale, slopes,
                 out, lse, tickets, length_arg,
                 *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),

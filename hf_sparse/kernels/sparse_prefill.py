@@ -21,7 +21,7 @@ import triton.language as tl
 
 from triton.runtime.errors import OutOfResources
 
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, value_args,
                       values_aligned, wide_offsets)
 
@@ -286,7 +286,7 @@ def sparse_prefill(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     logn_base: int | None = None,
     skip: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
@@ -312,7 +312,7 @@ def sparse_prefill(
     sel_heads = selection.num_heads
     heads_per_row = q_heads // sel_heads
     dot_fp32, precision = dot_settings(query.dtype)
-    kv_start = kv_start.to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
+    starts = row_starts(kv_start).to(query.device)  # any integer dtype: read as int32 in the kernel (no cast launch)
     width = selection.indices.shape[-1]
     common = dict(
         KV_HEADS=kv_heads, HEADS_PER_ROW=heads_per_row, GROUP=q_heads // kv_heads, QUERY_TILE=query_tile,
@@ -332,7 +332,7 @@ def sparse_prefill(
         head_groups = heads_per_row // heads_per_prog
         try:
             _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
-                query, key, value, out, lse, selection.indices, selection.counts, kv_start, skip_flags,
+                query, key, value, out, lse, selection.indices, selection.counts, starts, skip_flags,
                 key_scale, value_scale, slopes,
                 *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *out.stride(), *lse.stride(),

@@ -22,11 +22,12 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..selection import RowLayout, row_starts
 from ._common import check_token_scale, dot_settings, scale_args
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
-# Launch setting from benchmarks/tune_xattn_scores.py (H100, bf16, 128K; docs/xattn.md): 128 x 128 groups with
-# 8 warps and 3 stages; key steps split 8 per program (benchmarks/tune_xattn_scores.py --split-steps).
+# Launch setting measured on the H100 (bf16, 128K; docs/xattn.md): 128 x 128 groups with
+# 8 warps and 3 stages; key steps split 8 per program.
 _ROWS = 128
 _COLUMNS = 128
 _WARPS = 8
@@ -227,7 +228,7 @@ def antidiagonal_block_scores(
     *,
     scale: float,
     q_offset: int,
-    kv_start: torch.Tensor,
+    kv_start: torch.Tensor | RowLayout,
     block_size: int,
     stride: int,
     first_tile: int = 0,
@@ -257,7 +258,7 @@ def antidiagonal_block_scores(
     num_blocks = num_row_blocks(key_length, kv_start, block_size)
     if num_tiles is None:
         num_tiles = num_query_tiles(num_queries, q_offset, kv_start, block_size) - first_tile
-    kv_start = kv_start.to(device=query.device, dtype=torch.int32)
+    kv_start = row_starts(kv_start).to(device=query.device, dtype=torch.int32)
     out = torch.zeros(batch, q_heads, num_tiles, num_blocks, dtype=torch.float32, device=query.device)
     if num_tiles <= 0 or num_blocks <= 0:
         return out

@@ -5,7 +5,7 @@ import torch
 
 from .. import kernels
 from ..config import PLASConfig
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout
 
 
 class PLASMethod:
@@ -22,7 +22,7 @@ class PLASMethod:
     name = "plas"
     #: Prefill selection time over dense causal attention time, times queries x head dim: the selection grows
     #: about with the queries, dense attention with queries^2 x head dim (H100, bf16, 32K-128K, head dims 64 and
-    #: 128: 6.2e5-1.1e6 against cuDNN; benchmarks/density_crossover.py, docs/benchmarks.md "Late run").
+    #: 128: 6.2e5-1.1e6 against cuDNN; `benchmarks/bench_attention.py --crossover`, docs/benchmarks.md).
     SELECTION_COST = 9.0e5
 
     def __init__(self, config: PLASConfig) -> None:
@@ -34,7 +34,7 @@ class PLASMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
@@ -45,7 +45,7 @@ class PLASMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
     ) -> BlockSelection:
         """``length``: the key length as a device tensor (static cache storage passed as ``summaries``)."""
         return kernels.select_blocks(

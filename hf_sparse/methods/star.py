@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import StarConfig
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -80,7 +80,7 @@ class StarMethod:
     # -- method protocol ---------------------------------------------------------------------------------------
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor | None, key: torch.Tensor, *, scale: float,
-        q_offset: int, kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        q_offset: int, kv_start: RowLayout, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         """Every query of the call is a context query of one process (phase 1)."""
         if q_offset != 0:
@@ -89,7 +89,7 @@ class StarMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor | None, key: torch.Tensor, *, scale: float,
-        q_offset: int, kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        q_offset: int, kv_start: RowLayout, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         """Query and generated tokens attend to every key (phase 2)."""
         return self.full_selection(query.shape[0], key.shape[1], query.shape[2], key.shape[2], query.device)

@@ -6,7 +6,7 @@ import torch
 from ..config import XAttnConfig
 from .. import kernels
 from ..kernels import reference
-from ..selection import BlockSelection
+from ..selection import BlockSelection, RowLayout, row_starts
 
 
 class XAttnMethod:
@@ -24,7 +24,7 @@ class XAttnMethod:
     #: Prefill scoring + selection time over dense causal attention time: the strided scores are quadratic in
     #: the queries like attention itself, so a share. Against cuDNN (H100, bf16, 32K-128K): 0.17-0.26 at head
     #: dim 128, 0.40-0.78 at head dim 64; a model's own sdpa (FlashAttention first) is slower, and on SmolLM2
-    #: (head dim 64) running XAttention's layers sparse at 32K beat sdpa (docs/benchmarks.md "Late run").
+    #: (head dim 64) running XAttention's layers sparse at 32K beat sdpa (docs/benchmarks.md).
     SELECTION_SHARE = 0.3
 
     def __init__(self, config: XAttnConfig) -> None:
@@ -36,19 +36,19 @@ class XAttnMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None,
     ) -> BlockSelection:
         config = self.config
         block_size = config.block_size
         batch, _, num_queries, _ = query.shape
         kv_heads, key_length = key.shape[1], key.shape[2]
-        kv_start = kv_start.to(query.device)
+        kv_start = RowLayout.of(kv_start).to(query.device)
         num_blocks = reference.num_row_blocks(key_length, kv_start, block_size)
         num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, block_size)
         tiles_per_chunk = num_tiles if config.prefill_chunk is None else config.prefill_chunk // block_size
         mask = torch.zeros(batch, kv_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
         # Every tile's (available, forced) at once: a few launches per call, not per chunk (1/Hkv of the mask).
-        available, forced = self._tile_blocks(num_queries, q_offset, kv_start, 0, num_tiles, num_blocks)
+        available, forced = self._tile_blocks(num_queries, q_offset, kv_start.starts, 0, num_tiles, num_blocks)
         for first_tile in range(0, num_tiles, tiles_per_chunk):
             count = min(tiles_per_chunk, num_tiles - first_tile)
             mass = kernels.antidiagonal_block_scores(
@@ -65,14 +65,14 @@ class XAttnMethod:
 
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: torch.Tensor, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
     ) -> BlockSelection:
         """``length``: the key length as a one-element device tensor (``key`` and ``summaries`` a static cache's
         whole storage); every step then has the same shapes and reads nothing back to the host."""
         config = self.config
         batch, q_heads, num_queries, _ = query.shape
         kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
-        kv_start = kv_start.to(query.device)
+        kv_start = row_starts(kv_start).to(query.device)
         key_length = key.shape[2] if length is None else length
         if length is not None:
             q_offset = length - num_queries  # a device tensor: the slots below broadcast over it

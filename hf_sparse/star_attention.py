@@ -31,13 +31,15 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import (
-    _RECORDERS, DECODE_MAX_QUERY, SUPPORTED_DTYPES, LayerRecord, _block_counts, _record, _unsupported,
-    dense_attention, dequantized_kv, logn_base_for, logn_scaled, method_config, padding_start,
-)
+from .attention import DECODE_MAX_QUERY, SUPPORTED_DTYPES, check_supported, method_config
+from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
+from .density import block_counts
+from .padding import padding_layout
+from .recording import LayerRecord, record, recording
 from .cache import CACHE_KWARG, CACHE_KWARGS, LAYER_ATTR, SparseCacheLayer
 from .config import StarConfig
 from .methods.star import StarMethod
+from .selection import RowLayout
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +76,8 @@ def _running(run: _StarRun) -> Iterator[_StarRun]:
 
 # -- the attention function ----------------------------------------------------------------------------------
 def _record_dense(layer_idx: int, phase: str, reason: str) -> None:
-    if _RECORDERS:
-        _record(LayerRecord(layer_idx, phase, reason))
+    if recording():
+        record(LayerRecord(layer_idx, phase, reason))
 
 
 def star_attention_forward(
@@ -96,14 +98,14 @@ def star_attention_forward(
     """
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
-    _unsupported(kwargs, key_length)
+    check_supported(kwargs, key_length)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
     cache_layer = getattr(key, LAYER_ATTR, None) if key.dtype == torch.int8 else None
     if key.dtype == torch.int8 and cache_layer is None:
         raise TypeError("int8 keys reach the Star attention only from an int8 SparseCache (it holds their scales)")
-    if cache_layer is not None and cache_layer.kv_start is None:  # the padding picks the int8 values' layout
-        cache_layer.set_padding(padding_start(attention_mask, batch, key.shape[2], query.device, validate=False))
+    if cache_layer is not None and cache_layer.row_layout is None:  # the padding picks the int8 values' layout
+        cache_layer.set_padding(padding_layout(attention_mask, batch, key.shape[2], query.device, validate=False))
         value = cache_layer.values
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
@@ -152,7 +154,7 @@ def star_attention_forward(
         raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
 
     # Phase 1 on the first `context_queries` slots: keys are the same slots (the query part comes after them).
-    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=True)
+    rows = padding_layout(attention_mask, batch, key_length, query.device, validate=True)
     selection = StarMethod(config).context_selection(batch, key.shape[1], context_queries, query.device, prefix)
     context = slice(0, context_queries)
     scales = {}
@@ -160,11 +162,11 @@ def star_attention_forward(
         scales = {"key_scale": cache_layer.key_scales[:, :, context], "value_scale": cache_layer.value_scales[:, :, context]}
     context_values = kernels.reference.leading_values(value, context_queries)
     output, _ = kernels.sparse_attention(query[:, :, context], key[:, :, context], context_values, selection,
-                                         scale=scale, q_offset=0, kv_start=kv_start, **scales)
-    if _RECORDERS:
-        attended, causal = _block_counts(selection, context_queries, 0, kv_start)
-        _record(LayerRecord(layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
-                            (query[:, :, context], key[:, :, context], context_values, kv_start)))
+                                         scale=scale, q_offset=0, kv_start=rows, **scales)
+    if recording():
+        attended, causal = block_counts(selection, context_queries, 0, rows)
+        record(LayerRecord(layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
+                            (query[:, :, context], key[:, :, context], context_values, rows.starts)))
     output = output.transpose(1, 2)
     if context_queries == num_queries:
         return output.contiguous(), None
@@ -189,10 +191,10 @@ def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                **kwargs)[0]
     batch, key_length = query.shape[0], key.shape[2]
-    kv_start = padding_start(attention_mask, batch, key_length, query.device, validate=False)
+    rows = padding_layout(attention_mask, batch, key_length, query.device, validate=False)
     selection = StarMethod(config).full_selection(batch, key.shape[1], num_queries, key_length, query.device)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=key_length - num_queries,
-                                         kv_start=kv_start, key_scale=cache_layer.key_scales,
+                                         kv_start=rows, key_scale=cache_layer.key_scales,
                                          value_scale=cache_layer.value_scales)
     return output.transpose(1, 2).contiguous()
 
@@ -209,10 +211,10 @@ def _sharded_query_attention(run: _StarRun, query: torch.Tensor, key: torch.Tens
         # The query rank holds [its shard, query and generated tokens]: causal. The others hold their shard only,
         # all of it before every query (q_offset past the last key).
         q_offset = key_length - num_queries if run.is_query_rank else key_length
-        kv_start = torch.zeros(batch, dtype=torch.int64, device=query.device)
+        rows = RowLayout.uniform(batch, query.device)
         selection = StarMethod(run.config).full_selection(batch, key.shape[1], num_queries, key_length, query.device)
         output, lse = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
-                                               kv_start=kv_start)
+                                               kv_start=rows)
     output, _ = distributed.merge_partials(output, lse, run.group)
     _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
     return output.transpose(1, 2).contiguous(), None
@@ -373,7 +375,7 @@ def _generate_after(model: Any, context: StarContext, query_ids: torch.Tensor, r
                     **generate_kwargs: Any) -> Any:
     for name in ("attention_mask", *CACHE_KWARGS, "position_ids", "input_ids", "inputs_embeds"):
         if name in generate_kwargs:
-            raise TypeError(f"hf_sparse.star.generate sets `{name}` itself")
+            raise TypeError(f"hf_sparse.star_attention.generate sets `{name}` itself")
     batch, length = context.context_ids.shape
     if query_ids.dim() != 2 or query_ids.shape[0] != batch or query_ids.shape[1] == 0:
         raise ValueError(f"query_ids must be [{batch}, length >= 1] (the context's batch), got {tuple(query_ids.shape)}")

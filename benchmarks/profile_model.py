@@ -1,0 +1,399 @@
+"""Where the time of a prefill or of a decode step goes, on a whole model (``--model``: a Llama-3-8B- or
+SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instruct on real text).
+
+    python benchmarks/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe]
+    python benchmarks/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
+    python benchmarks/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
+
+prefill: one forward over ``--length`` prompt tokens with an all-ones 2D attention mask (default model: the
+  SmolLM2-135M shape, whose small layers show host time). Per method: the median wall time of ``--repeats``
+  forwards against the GPU busy time (its kernels' union, torch.profiler): what the host adds; the GPU time by
+  kernel; the synchronising CUDA calls of one forward, by the Python line that made them
+  (torch.cuda.set_sync_debug_mode). "plas-noprobe": dense_above_density=None, the sparse kernels at any density.
+decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--steps`` decode steps under
+  torch.profiler, replayed from a CUDA graph (hf_sparse.graphs, as generate() runs them) or, with ``--eager``,
+  launched from Python (the same kernels). Per method: GPU time per step by kernel, kernels per step, the GPU's
+  idle time between kernels (launch gaps) and the step's span (first kernel start to last kernel end), and the
+  bytes a step must read from HBM: the K/V of the blocks each layer attends (counted from one recorded step,
+  hf_sparse.record_sparsity; dense layers: every token), the block summaries and the weights; each divided by
+  ``--bandwidth`` (default 3.35e12 B/s, the H100 SXM's) is a floor, printed beside the span and their ratio.
+graph: the wall time per decode step (synchronised) of "sdpa" (eager, dynamic cache) and of PLAS / XAttention
+  eager (dynamic SparseCache) or from a CUDA graph (static SparseCache); "-int8": an int8 cache. Step 1 of a
+  graph variant is its eager warm-up and step 2 the capture and first replay: medians over the later steps,
+  ``--rounds`` rounds of every variant.
+
+Each sub-command's --help lists its options. Tables on stdout, the header holding device, versions and date.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import re
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+
+from _common import (add_model_arguments, cache_kwarg, environment, graph_counts,
+                     header, load_model, progress, require_cuda, speedup, table, use_method)
+
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the GPU
+
+
+def command_help(command: str) -> str:
+    """The module docstring's paragraph on ``command`` (its indented lines continue it)."""
+    return re.split(r"\n(?! )", __doc__.split(f"\n{command}: ", 1)[1], maxsplit=1)[0]
+
+
+def sparse_variants(options: tuple[str, ...]) -> list[str]:
+    """"plas" and "xattn" with each combination of ``options`` (:data:`_common.METHOD_OPTIONS`), in that order."""
+    names = []
+    for base in ("plas", "xattn"):
+        names.append(base)
+        for option in options:
+            names += [f"{name}-{option}" for name in names if name.startswith(base)]
+    return names
+
+
+# -- torch.profiler -----------------------------------------------------------------------------------------------
+
+
+def kernel_table(prof, per: int, rows: int) -> str:
+    """The ``rows`` kernels of most GPU time, per ``per`` (forwards or steps)."""
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return table([("us", lambda e: f"{e.device_time_total / per:.1f}"), ("calls", lambda e: f"{e.count / per:g}"),
+                  ("kernel", lambda e: e.key[:110])], events[:rows])
+
+
+def gpu_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) in us of every kernel, copy and memset of the profile, by start."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                  if e.get("ph") == "X" and e.get("cat", "").lower() in GPU_ACTIVITY)
+
+
+def timeline(intervals: list[tuple[float, float]]) -> dict:
+    """Busy time (the union of the intervals), span (first start to last end) and idle gaps, in us."""
+    busy, end = 0.0, None
+    for start, stop in intervals:
+        if end is None or start >= end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = stop if end is None else max(end, stop)
+    span = end - intervals[0][0] if intervals else 0.0
+    return {"launches": len(intervals), "busy_us": busy, "span_us": span, "idle_us": span - busy}
+
+
+# -- prefill --------------------------------------------------------------------------------------------------
+
+
+def forward(model, ids: torch.Tensor) -> None:
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+
+
+def sync_sites(model, ids: torch.Tensor) -> collections.Counter:
+    """Synchronising CUDA calls of one forward, counted by the innermost ``file:line`` of hf_sparse (else of
+    transformers) on the Python stack that made them."""
+    sites = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" not in str(message):
+            return
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if "/hf_sparse/" in f.filename] or [f for f in frames if "transformers" in f.filename]
+        frame = (ours or frames)[-1]
+        sites[f"{frame.filename.split('/')[-1]}:{frame.lineno} {frame.name}"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            forward(model, ids)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    return sites
+
+
+@torch.no_grad()
+def prefill(args, loaded) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, ids = loaded.model, loaded.prompt(args.length)
+    layers = model.config.num_hidden_layers
+    rows, details = [], []
+    for method in args.methods:
+        use_method(model, method)
+        forward(model, ids)  # warm-up: kernel compilation
+        walls = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            forward(model, ids)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - start) * 1e3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            forward(model, ids)
+            torch.cuda.synchronize()
+        sites = sync_sites(model, ids)
+        row = {"method": method, "wall_ms": statistics.median(walls), "syncs": sum(sites.values())}
+        row["gpu_ms"] = timeline(gpu_intervals(prof))["busy_us"] / 1e3
+        rows.append(row)
+        details.append((method, kernel_table(prof, 1, args.rows), sites))
+        progress(json.dumps(row))
+    print(f"\n{header(environment())}\n{loaded.description}; one forward of {args.length} tokens, all-ones 2D mask; "
+          f"wall = median of {args.repeats}, GPU busy = union of its kernels (torch.profiler)")
+    print(table([("method", lambda r: r["method"]), ("wall ms", lambda r: f"{r['wall_ms']:.1f}"),
+                 ("GPU busy ms", lambda r: f"{r['gpu_ms']:.1f}"),
+                 ("host-bound gap ms", lambda r: f"{r['wall_ms'] - r['gpu_ms']:.1f}"),
+                 ("per layer", lambda r: f"{(r['wall_ms'] - r['gpu_ms']) / layers:.2f}"),
+                 ("syncs per forward", lambda r: str(r["syncs"]))], rows))
+    for method, kernels, sites in details:
+        print(f"\n{method}: GPU time by kernel, one forward\n{kernels}")
+        print(f"{method}: synchronising calls by call site")
+        for site, count in sites.most_common(args.rows):
+            print(f"  {count:>4}  {site}")
+
+
+# -- decode ---------------------------------------------------------------------------------------------------
+
+
+class Decoder:
+    """Greedy decode steps of ``model`` over ``cache`` after a prefill of ``ids``."""
+
+    def __init__(self, model, cache, ids: torch.Tensor) -> None:
+        self.model, self.cache_args = model, {cache_kwarg(model): cache}
+        start = time.perf_counter()
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **self.cache_args).logits
+        self.token = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        self.prefill_s = time.perf_counter() - start
+        self.position = torch.full((1, 1), ids.shape[1], device=ids.device)
+
+    def step(self) -> None:
+        logits = self.model(input_ids=self.token, position_ids=self.position, use_cache=True, logits_to_keep=1,
+                            **self.cache_args).logits
+        self.token = logits[:, -1:].argmax(-1)
+        self.position = self.position + 1
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a batch-1 decode step reads: all but the input embedding, of which it reads one row
+    (unless the LM head shares it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != embedding.data_ptr():
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def step_bytes(model, cache, decoder: Decoder) -> dict:
+    """Bytes one decode step reads from HBM, from one recorded (eager) step: the K/V of the attended blocks of
+    the sparse layers (a block counted once per selection row: per KV head), every token's K/V in the dense
+    layers, the block summaries (float32) of the sparse layers, and the weights."""
+    from hf_sparse import record_sparsity
+
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_token_bytes = cache.memory_per_token() / len(cache.layers)  # K and V (and int8 scales) of one layer
+    with record_sparsity() as recorder:
+        decoder.step()
+    length = cache.get_seq_length()
+    counts = {"kv": 0.0, "dense_kv": 0.0, "summaries": 0.0, "sparse_layers": 0, "dense_layers": 0}
+    for record in (r for r in recorder.records if r.phase == "decode"):
+        if record.dense_reason is None:
+            counts["sparse_layers"] += 1
+            counts["kv"] += float(record.attended_blocks) * cache.block_size * layer_token_bytes / kv_heads
+            counts["summaries"] += -(-length // cache.block_size) * kv_heads * head_dim * 4
+        else:
+            counts["dense_layers"] += 1
+            counts["dense_kv"] += length * layer_token_bytes
+    counts["weights"] = weight_bytes(model)
+    counts["density"] = recorder.density("decode")
+    return counts
+
+
+@torch.no_grad()
+def decode(args, loaded) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_sparse import SparseCache, graphs
+
+    model, ids = loaded.model, loaded.prompt(args.length)
+    rows, details = [], []
+    for method in args.methods:
+        config = use_method(model, method + ("-eager" if args.eager else ""))
+        cache = SparseCache(model.config, max_cache_len=args.length + 2 * args.steps + 8)
+        if config.decode_cuda_graph:
+            graphs.install(model)
+        decoder = Decoder(model, cache, ids)
+        counts = step_bytes(model, cache, decoder)
+        for _ in range(args.steps):  # warm-up: kernel compilation; graph: warm step, capture, replays
+            decoder.step()
+        torch.cuda.synchronize()
+        replays = graph_counts(model)[1]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                decoder.step()
+            torch.cuda.synchronize()
+        replays = graph_counts(model)[1] - replays
+        stats = graphs.stats(model)
+        graphs.uninstall(model)
+        if not config.decode_cuda_graph:
+            state = "off (--eager)"
+        elif stats is not None and stats.disabled_reason:
+            state = f"off: {stats.disabled_reason}"
+        else:
+            state = f"{replays} of {args.steps} steps replayed"
+        line = timeline(gpu_intervals(prof))
+        row = {"method": method, **counts, **{key: value / args.steps for key, value in line.items()}}
+        kv_bytes = counts["kv"] + counts["dense_kv"]
+        row["kv_floor_us"] = kv_bytes / args.bandwidth * 1e6
+        row["floor_us"] = (kv_bytes + counts["summaries"] + counts["weights"]) / args.bandwidth * 1e6
+        row["graph"] = state
+        rows.append(row)
+        details.append((method, kernel_table(prof, args.steps, args.rows)))
+        progress(json.dumps(row))
+        del cache, decoder, prof
+        gc.collect()
+        torch.cuda.empty_cache()
+    mode = "launched from Python (--eager)" if args.eager else "replayed from a CUDA graph"
+    print(f"\n{header(environment())}\n{loaded.description}; static SparseCache, {args.length} tokens prefilled, "
+          f"{args.steps} profiled decode steps {mode}; per step. Floors: bytes / {args.bandwidth:.3g} B/s")
+    gb = 1e9
+    print(table([("method", lambda r: r["method"]), ("graph", lambda r: r["graph"]),
+                 ("decode density", lambda r: f"{r['density']:.3f}"),
+                 ("sparse / dense layers", lambda r: f"{r['sparse_layers']} / {r['dense_layers']}"),
+                 ("kernels", lambda r: f"{r['launches']:.0f}"), ("GPU busy us", lambda r: f"{r['busy_us']:.0f}"),
+                 ("idle between kernels us", lambda r: f"{r['idle_us']:.0f}"),
+                 ("span us", lambda r: f"{r['span_us']:.0f}"),
+                 ("K/V GB (sparse + dense)", lambda r: f"{r['kv'] / gb:.3f} + {r['dense_kv'] / gb:.3f}"),
+                 ("summaries GB", lambda r: f"{r['summaries'] / gb:.3f}"),
+                 ("weights GB", lambda r: f"{r['weights'] / gb:.3f}"),
+                 ("K/V floor us", lambda r: f"{r['kv_floor_us']:.0f}"),
+                 ("all-bytes floor us", lambda r: f"{r['floor_us']:.0f}"),
+                 ("span / floor", lambda r: f"{r['span_us'] / r['floor_us']:.2f}")], rows))
+    for method, kernels in details:
+        print(f"\n{method}: GPU time by kernel, per step\n{kernels}")
+
+
+# -- graph ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def graph(args, loaded) -> None:
+    from transformers import DynamicCache
+
+    from hf_sparse import SparseCache, graphs
+
+    model, ids = loaded.model, loaded.prompt(args.length)
+    results = collections.defaultdict(list)
+    for _ in range(args.rounds):
+        for name in args.variants:
+            gc.collect()  # the previous variant's cache and graph sit in reference cycles
+            torch.cuda.empty_cache()
+            config = use_method(model, name)
+            if config is None:
+                cache = DynamicCache(config=model.config)
+            elif config.decode_cuda_graph:
+                cache = SparseCache(model.config, max_cache_len=args.length + args.steps + 1)
+                graphs.install(model)
+            else:
+                cache = SparseCache(model.config)
+            before = graph_counts(model)
+            decoder = Decoder(model, cache, ids)
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                decoder.step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            after = graph_counts(model)
+            graphs.uninstall(model)
+            row = {"prefill_s": decoder.prefill_s, "step1_ms": times[0], "step2_ms": times[1],
+                   "step_ms": statistics.median(times[2:]), "captures": after[0] - before[0],
+                   "replays": after[1] - before[1]}
+            results[name].append(row)
+            progress(f"{name}: {json.dumps(row)}")
+            del cache, decoder
+    rows = [{"variant": name, **{key: statistics.median(r[key] for r in runs) for key in runs[0]}}
+            for name, runs in results.items()]
+    sdpa = next((row["step_ms"] for row in rows if row["variant"] == "sdpa"), None)
+    print(f"\n{header(environment())}\n{loaded.description}; context {args.length}, {args.steps} steps, batch 1; "
+          f"medians over {args.rounds} rounds; step = median of steps 3..{args.steps} (wall, synchronised)")
+    print(table([("variant", lambda r: r["variant"]), ("prefill s", lambda r: f"{r['prefill_s']:.3f}"),
+                 ("step 1 ms", lambda r: f"{r['step1_ms']:.1f}"), ("step 2 ms", lambda r: f"{r['step2_ms']:.1f}"),
+                 ("step ms", lambda r: f"{r['step_ms']:.2f}"), ("captures", lambda r: f"{r['captures']:g}"),
+                 ("replays", lambda r: f"{r['replays']:g}"),
+                 ("sdpa / this", lambda r: speedup(sdpa / r["step_ms"] if sdpa else None))], rows))
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{prefill,decode,graph}")
+
+
+    sub = commands.add_parser("prefill", help="wall vs GPU time, GPU time by kernel and host syncs of one prefill",
+                              description=command_help("prefill"))
+    add_model_arguments(sub, default="smollm2-random")
+    sub.add_argument("--length", type=int, default=32768, help="prompt tokens (default: %(default)s)")
+    sub.add_argument("--repeats", type=int, default=5, help="timed forwards (default: %(default)s)")
+    choices = ["sdpa"] + sparse_variants(("noprobe", "int8"))
+    sub.add_argument("--methods", nargs="+", default=["sdpa", "plas", "plas-noprobe"], choices=choices,
+                     metavar="METHOD", help=f"{', '.join(choices)}; -int8: an int8 K/V cache (default: %(default)s)")
+    sub.add_argument("--rows", type=int, default=12, help="kernels and call sites listed (default: %(default)s)")
+    sub.set_defaults(run=prefill)
+
+    sub = commands.add_parser("decode", help="GPU time by kernel, launch gaps and the bandwidth floor of a decode step",
+                              description=command_help("decode"))
+    add_model_arguments(sub, default="llama3-8b-random", layers=8)
+    sub.add_argument("--length", type=int, default=32768, help="tokens prefilled (default: %(default)s)")
+    sub.add_argument("--steps", type=int, default=8, help="decode steps profiled (default: %(default)s)")
+    choices = sparse_variants(("int8",))
+    sub.add_argument("--methods", nargs="+", default=["plas", "xattn"], choices=choices, metavar="METHOD",
+                     help=f"{', '.join(choices)}; -int8: an int8 K/V cache (default: %(default)s)")
+    sub.add_argument("--eager", action="store_true", help="launch the steps from Python instead of a CUDA graph")
+    sub.add_argument("--bandwidth", type=float, default=3.35e12,
+                     help="HBM bytes per second of the floor (default: %(default)g, H100 SXM; H200: 4.8e12)")
+    sub.add_argument("--rows", type=int, default=25, help="kernels listed (default: %(default)s)")
+    sub.set_defaults(run=decode)
+
+    sub = commands.add_parser("graph", help="per-step wall time of decode, eager vs CUDA graph",
+                              description=command_help("graph"))
+    add_model_arguments(sub, default="llama3-8b-random")
+    sub.add_argument("--length", type=int, default=32768, help="tokens prefilled (default: %(default)s)")
+    sub.add_argument("--steps", type=int, default=32, help="decode steps timed (default: %(default)s)")
+    sub.add_argument("--rounds", type=int, default=2, help="rounds of every variant (default: %(default)s)")
+    choices = ["sdpa"] + [name for name in sparse_variants(("eager", "graph", "int8"))
+                          if ("eager" in name) != ("graph" in name)]
+    sub.add_argument("--variants", nargs="+", default=["sdpa", "plas-eager", "plas-graph"], choices=choices,
+                     metavar="VARIANT", help=f"{', '.join(choices)} (default: %(default)s)")
+    sub.set_defaults(run=graph)
+
+    args = parser.parse_args()
+    if args.command == "graph" and args.steps < 3:
+        parser.error("graph: --steps must be at least 3 (steps 1 and 2 are warm-up and capture)")
+    require_cuda("profile_model.py")
+    args.run(args, load_model(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The dense path: exactly what ``attn_implementation="sdpa"`` computes (short inputs, dense layers, dense
+selections), plus what the dense path needs of hf_sparse's features (int8 K/V, logN scaling)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import kernels
+from .padding import mask_layout, padding_layout
+
+
+def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
+    if (attention_mask is not None and attention_mask.dim() == 2 and (num_queries == 1 or num_queries == key_length)
+            and not torch.compiler.is_compiling()):
+        # sdpa_mask would return None (sdpa's is_causal) for a mask without padding here; the memoised layout
+        # answers that without a host read per layer.
+        rows, left_padded = mask_layout(attention_mask, key_length, query.device)
+        if left_padded and rows.high == 0:
+            attention_mask = None
+    if attention_mask is None or attention_mask.dim() == 2:
+        attention_mask = sdpa_mask(
+            batch_size=batch, q_length=num_queries, kv_length=key_length, q_offset=key_length - num_queries,
+            kv_offset=0, attention_mask=attention_mask, device=query.device,
+        )
+    kwargs.pop("sliding_window", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def dequantized_kv(key: torch.Tensor, value: torch.Tensor, cache_layer: Any,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache layer's K/V in ``dtype`` (values token-major): a copy, for the dense fallback (short
+    sequences, few layers)."""
+    value = kernels.reference.token_values(value, key.shape[2])
+    return (kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(dtype),
+            kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(dtype))
+
+
+def logn_base_for(config: Any, model_config: Any) -> int | None:
+    """The training length ``m`` of logN scaling, or None when the method's config leaves it off."""
+    if not getattr(config, "logn_scaling", False):
+        return None
+    base = config.logn_base or getattr(model_config, "max_position_embeddings", None)
+    if base is None:
+        raise ValueError("logn_scaling=True needs logn_base (the training length): the model config has no "
+                         "max_position_embeddings to default to")
+    return int(base)
+
+
+def logn_scaled(query: torch.Tensor, attention_mask: torch.Tensor | None, key_length: int, logn_base: int,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``query`` times Qwen's logN factor of each query's position: ``position_ids`` (0-based, ``[B or 1, Sq]``)
+    when given, else the row positions of the padding mask (the dense path's logN)."""
+    batch, _, num_queries, _ = query.shape
+    if position_ids is None:
+        kv_start = padding_layout(attention_mask, batch, key_length, query.device, validate=False).starts
+        slots = key_length - num_queries + torch.arange(num_queries, device=query.device)
+        position_ids = slots[None, :] - kv_start[:, None]
+    elif position_ids.shape[-1] != num_queries:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the {num_queries} queries")
+    factor = kernels.reference.logn_factors(position_ids.to(query.device), logn_base)
+    return (query.float() * factor.reshape(-1, 1, num_queries, 1)).to(query.dtype)

@@ -1,0 +1,49 @@
+"""The density fallback: a prefill whose selection keeps most blocks runs dense attention instead (on CUDA, where
+cuDNN / flash is faster than the sparse kernel at high density)."""
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .selection import BlockSelection, RowLayout
+
+#: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for its
+#: last ``PROBE_QUERIES`` only, a cheap estimate of the call's density (those queries see the most blocks; on
+#: SmolLM2's text they read above the full selection at 128K and below it at 32K, so a sparse probe is followed
+#: by the full selection's own check). The selection for the rest is still to be paid at the probe, so it runs
+#: the call dense from a lower density: :func:`probe_threshold`.
+PROBE_QUERIES = 1024
+
+
+def probe_threshold(dense_above_density: float, selection_share: float) -> float:
+    """Probe density from which a prefill runs dense: where the sparse kernel plus the selection still to run
+    cost what dense attention costs. Sparse attention time grows about in proportion to the density and
+    matches dense at ``dense_above_density``; the selection adds ``selection_share`` of the dense time."""
+    return dense_above_density * max(0.0, 1.0 - selection_share)
+
+
+def falls_back_by_density(query: torch.Tensor) -> bool:
+    """Whether a dense selection is run dense: on CUDA with the Triton kernels, where dense attention (cuDNN or
+    flash) is faster than the sparse kernel at high density. Elsewhere the sparse path always runs, so the
+    reference and interpreter paths stay what the tests compare."""
+    return query.is_cuda and kernels.backend_for(query) == "triton"
+
+
+def block_counts(selection: BlockSelection, num_queries: int, q_offset: int,
+                 rows: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attended, causal) block totals as device scalars; causal = row blocks up to each tile's last real query."""
+    kv_start = rows.starts
+    pad_q = (kv_start - q_offset).clamp(0, num_queries)
+    tiles = torch.arange(selection.num_query_tiles, device=kv_start.device)
+    last_query = torch.minimum(pad_q[:, None] + (tiles[None, :] + 1) * selection.query_tile,
+                               torch.full_like(pad_q[:, None], num_queries)) - 1
+    has_query = last_query >= pad_q[:, None] + tiles[None, :] * selection.query_tile
+    last_block = torch.div(q_offset + last_query - kv_start[:, None], selection.block_size, rounding_mode="floor")
+    causal = torch.where(has_query, last_block + 1, torch.zeros_like(last_block)).clamp_min(0)
+    return selection.counts.sum(), causal.sum() * selection.num_heads
+
+
+def selection_density(selection: BlockSelection, num_queries: int, q_offset: int, rows: RowLayout) -> float:
+    """Attended / causal blocks of a selection (one device-to-host read)."""
+    attended, causal = torch.stack(block_counts(selection, num_queries, q_offset, rows)).tolist()
+    return attended / max(causal, 1)

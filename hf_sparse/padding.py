@@ -1,0 +1,55 @@
+"""The padding layout of a call: a :class:`~hf_sparse.selection.RowLayout` from transformers' 2D mask."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .selection import RowLayout
+
+#: The last 2D mask's layout, one tuple (mask weakref, key, row layout, left-padded): every layer of a forward
+#: gets the same mask tensor, so its host read (the left-padding check and the starts' range) happens once per
+#: forward, not once per layer (each read is a host sync, which on small models costs more than the attention).
+#: One tuple, replaced whole: threads running other models read either entry, never a mix.
+_LAST_LAYOUT: list[tuple] = []
+
+
+def mask_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[RowLayout, bool]:
+    """(row layout, whether the mask is left padding only) of a 2D mask, memoised on the mask tensor (identity
+    and version)."""
+    key = (attention_mask._version, key_length, device)
+    entry = _LAST_LAYOUT[0] if _LAST_LAYOUT else None
+    if entry is None or entry[0]() is not attention_mask or entry[1] != key:
+        entry = (weakref.ref(attention_mask), key, *read_layout(attention_mask, key_length, device))
+        _LAST_LAYOUT[:] = [entry]
+    return entry[2], entry[3]
+
+
+def read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[RowLayout, bool]:
+    """:func:`mask_layout` without the memo: one host read."""
+    mask = attention_mask[:, -key_length:].bool()
+    kv_start = key_length - mask.sum(-1)
+    left_only = (mask == (torch.arange(key_length, device=mask.device)[None, :] >= kv_start[:, None])).all()
+    low, high, left_padded = torch.stack([kv_start.min(), kv_start.max(), left_only.long()]).tolist()
+    return RowLayout(kv_start.to(device), int(low), int(high)), bool(left_padded)
+
+
+def padding_layout(attention_mask: torch.Tensor | None, batch: int, key_length: int, device: torch.device,
+                   validate: bool) -> RowLayout:
+    """The rows' left-padding layout from the 2D mask (no padding when there is no mask); shared by the layers
+    of a forward, so its ``starts`` are not to be changed in place. ``validate`` raises unless the mask is left
+    padding."""
+    if attention_mask is None:
+        return RowLayout.uniform(batch, device)
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(
+            f"hf_sparse sparse attention takes the 2D padding mask; got a {attention_mask.dim()}D mask "
+            "(custom 4D masks are not supported on the sparse path)"
+        )
+    rows, left_padded = mask_layout(attention_mask, key_length, device)
+    if validate and not left_padded:
+        raise ValueError(
+            "hf_sparse needs left padding (padding_side='left'): the attention mask has masked slots after "
+            "unmasked ones"
+        )
+    return rows
