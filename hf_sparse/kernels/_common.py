@@ -7,7 +7,6 @@ import os
 import torch
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from .reference import shared_aligned_start
 
 
 def interpreting() -> bool:
@@ -226,9 +225,9 @@ def value_args(value: torch.Tensor) -> tuple[tuple[int, ...], int]:
 
 def values_aligned(value_block: int, kv_start: torch.Tensor | RowLayout, block_n: int) -> bool:
     """Whether every key tile of ``block_n`` slots lies inside one storage block of blocked values: the rows
-    share one start that is a multiple of ``block_n`` (no padding, the usual case; read from ``kv_start``'s
-    note when it has one)."""
-    return value_block > 0 and value_block % block_n == 0 and shared_aligned_start(kv_start, block_n)
+    share one start that is a multiple of ``block_n`` (no padding, the usual case; a RowLayout's own range, a
+    plain tensor's read)."""
+    return value_block > 0 and value_block % block_n == 0 and RowLayout.of(kv_start).aligned(block_n)
 
 
 def wide_offsets(*tensors: torch.Tensor) -> bool:

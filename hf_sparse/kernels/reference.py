@@ -37,11 +37,6 @@ def kv_start_range(kv_start: torch.Tensor | RowLayout) -> tuple[int, int]:
     return layout.low, layout.high
 
 
-def shared_aligned_start(kv_start: torch.Tensor | RowLayout, multiple: int) -> bool:
-    """:meth:`RowLayout.aligned` of ``kv_start`` (a plain tensor's range is read)."""
-    return RowLayout.of(kv_start).aligned(multiple)
-
-
 def num_row_blocks(key_length: int, kv_start: torch.Tensor | RowLayout, block_size: int) -> int:
     """Blocks of the longest row (the width of summaries and block masks)."""
     return _ceil_div(key_length - kv_start_range(kv_start)[0], block_size)
