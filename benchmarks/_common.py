@@ -318,7 +318,10 @@ METHOD_OPTIONS = {
 
 def sparse_config(method: str):
     """The hf_sparse config a method name asks for (``PLASConfig`` / ``XAttnConfig`` defaults plus its
-    :data:`METHOD_OPTIONS`), or None for the dense ones ("sdpa", "sdpa-static")."""
+    :data:`METHOD_OPTIONS` and ``field=value`` options, e.g. "plas-query_union=64"), or None for the dense ones
+    ("sdpa", "sdpa-static")."""
+    import json
+
     import hf_sparse
 
     name, *options = method.split("-")
@@ -326,8 +329,24 @@ def sparse_config(method: str):
         return None
     fields = {}
     for option in options:
-        fields.update(METHOD_OPTIONS[option])
+        if "=" in option:
+            field, value = option.split("=", 1)
+            parsed = json.loads(value.replace(":", ",")) if value[:1] in "[0123456789.tfn" else value
+            fields[field] = tuple(parsed) if isinstance(parsed, list) else parsed
+        else:
+            fields.update(METHOD_OPTIONS[option])
     return (hf_sparse.PLASConfig if name == "plas" else hf_sparse.XAttnConfig)(**fields)
+
+
+def method_name(value: str) -> str:
+    """argparse type of a method name: "sdpa", "sdpa-static" or a valid :func:`sparse_config` name."""
+    if value not in ("sdpa", "sdpa-static"):
+        try:
+            if sparse_config(value) is None:
+                raise ValueError("not plas or xattn")
+        except (ValueError, KeyError, TypeError) as error:
+            raise argparse.ArgumentTypeError(f"{value!r}: {error}") from None
+    return value
 
 
 def graph_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """End-to-end generate(): time to first token (TTFT), time per output token (TPOT), peak memory, density and
 (with --fidelity) next-token fidelity of hf_sparse's methods beside dense sdpa; one row per length and method.
 
-Measured per prompt length and method, greedy, batch 1, medians of --repeats timed calls (each after one
+Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls (each after one
 untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
 * TTFT: wall time of generate(max_new_tokens=1). Its ratio is a speed-up against "sdpa" (sdpa's TTFT / this).
 * TPOT@N: (wall time of generate(max_new_tokens=N) - TTFT) / (N - 1), for each N of --tpot-tokens. So it
@@ -21,8 +21,11 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
 * "= sdpa": the leading new tokens (of the largest N) equal to sdpa's.
 
 Methods (--methods): "sdpa" (dynamic cache, eager decode); "sdpa-static" (above); "plas", "xattn" (their configs'
-defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False)
-and "-int8" (int8 K/V cache) variants of those two, e.g. "plas-eager", "xattn-int8".
+defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False),
+"-int8" (int8 K/V cache) and "-FIELD=VALUE" (a config field) variants of those two, e.g. "plas-eager",
+"xattn-int8", "plas-query_union=64", "plas-prefill_top_k=[40:48]". Each method starts without what an earlier
+one kept (hf_sparse.graphs.release): the static cache and graphs a method keeps between its own calls count in
+its peak. --batch N repeats the prompt N times (peak memory and TPOT of a batch).
 
 Models (--model): "llama3-8b-random" (default; Llama-3-8B shape, random weights, uniform random token ids, or
 --segment-vocab N ids per 2048-token segment), "smollm2-random", and "smollm2": the trained SmolLM2-135M-Instruct
@@ -49,7 +52,7 @@ import time
 
 import torch
 
-from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model,
+from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
                      progress, require_cuda, speedup, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
@@ -73,16 +76,21 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple
 
 @torch.no_grad()
 def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repeats: int) -> dict:
-    """TTFT, TPOT@N, graph captures per call and peak memory of ``method`` on ``ids``; the last call's tokens."""
+    """TTFT, TPOT@N (none when ``tpot_tokens`` is empty), graph captures per call and peak memory of ``method`` on
+    ``ids``; the last call's tokens."""
+    graphs.release(model)  # what another method kept (its static cache) must not count here
+    gc.collect()
+    torch.cuda.empty_cache()
     config = use_method(model, method)
     extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
     # Warm-up at this length (kernels specialise on it): 3 new tokens reach a CUDA-graph replay; sdpa-static
     # compiles its step for its static cache's size, so it warms up with the most tokens the timed calls take.
-    timed_generate(model, ids, max(tpot_tokens) if method == "sdpa-static" else 3, **extra)
+    timed_generate(model, ids, max(tpot_tokens, default=3) if method == "sdpa-static" else 3, **extra)
     torch.cuda.reset_peak_memory_stats()
     row = {"length": ids.shape[1], "method": method, "config": config.to_dict() if config is not None else None}
     row["ttft_s"] = statistics.median(timed_generate(model, ids, 1, **extra)[0] for _ in range(repeats))
     row["tpot_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}
+    tokens = None
     for new_tokens in tpot_tokens:
         seconds, captures, replays = [], [], []
         for _ in range(repeats):
@@ -96,7 +104,7 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
         row["captures_per_call"][new_tokens] = statistics.mean(captures)
         row["replays_per_call"][new_tokens] = statistics.mean(replays)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    row["tokens"] = tokens.tolist()
+    row["tokens"] = tokens.tolist() if tokens is not None else []
     stats = graphs.stats(model)
     if stats is not None and stats.disabled_reason:
         row["graphs_disabled"] = stats.disabled_reason
@@ -106,6 +114,7 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
 @torch.no_grad()
 def densities(model, ids: torch.Tensor, method: str) -> tuple[float, float]:
     """(prefill, decode) density of ``method`` over one untimed generate() of 8 tokens."""
+    graphs.release(model)
     use_method(model, method)
     with record_sparsity() as recorder:
         timed_generate(model, ids, 8)
@@ -120,24 +129,28 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
     for row in rows:
         row["ttft_vs_sdpa"] = sdpa["ttft_s"] / row["ttft_s"] if sdpa else None
         row["peak_vs_sdpa"] = row["peak_gib"] / sdpa["peak_gib"] if sdpa else None
-        row["tpot_vs_sdpa_static"] = static["tpot_ms"][largest] / row["tpot_ms"][largest] if static else None
-        if sdpa:
-            differs = [a != b for a, b in zip(row["tokens"], sdpa["tokens"])] + [True]
+        tpot, static_tpot = row["tpot_ms"].get(largest), static["tpot_ms"].get(largest) if static else None
+        row["tpot_vs_sdpa_static"] = static_tpot / tpot if static_tpot and tpot else None
+        reference = sdpa["tokens"] if sdpa and sdpa["tokens"] else static["tokens"] if static else None
+        if reference:  # sdpa's tokens (sdpa-static's where sdpa was timed for TTFT only)
+            differs = [a != b for a, b in zip(row["tokens"], reference)] + [True]
             row["same_tokens_as_sdpa"] = differs.index(True)
 
 
 def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: str, repeats: int) -> None:
     largest, smallest = max(tpot_tokens), min(tpot_tokens)
-    print(f"\n{header(env)}\n{described}; batch 1, greedy, medians of {repeats}. TTFT vs sdpa; TPOT vs sdpa-static "
+    print(f"\n{header(env)}\n{described}; greedy, medians of {repeats}. TTFT vs sdpa; TPOT vs sdpa-static "
           f"(at {largest} new tokens); peak = max_memory_allocated (weights included) vs sdpa")
     columns = [("length", lambda r: str(r["length"])), ("method", lambda r: r["method"]),
                ("TTFT s", lambda r: f"{r['ttft_s']:.3f}"), ("vs sdpa", lambda r: speedup(r["ttft_vs_sdpa"]))]
-    columns += [(f"TPOT@{n} ms", lambda r, n=n: f"{r['tpot_ms'][n]:.2f}") for n in tpot_tokens]
+    columns += [(f"TPOT@{n} ms", lambda r, n=n: cell(r["tpot_ms"].get(n), ".2f")) for n in tpot_tokens]
     if len(tpot_tokens) > 1:
         columns.append((f"TPOT@{smallest} / @{largest}",
-                        lambda r: f"{r['tpot_ms'][smallest] / r['tpot_ms'][largest]:.2f}"))
+                        lambda r: cell(r["tpot_ms"][smallest] / r["tpot_ms"][largest] if r["tpot_ms"] else None,
+                                       ".2f")))
     columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
-                ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens)),
+                ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens
+                                                       if n in r["captures_per_call"]) or "-"),
                 ("peak GiB", lambda r: f"{r['peak_gib']:.1f}"), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
                 ("density prefill", lambda r: cell(r.get("prefill_density"), ".3f")),
                 ("decode", lambda r: cell(r.get("decode_density"), ".3f"))]
@@ -181,23 +194,49 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     progress(f"wrote {path}")
 
 
+def replot(args: argparse.Namespace) -> None:
+    """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together."""
+    import json
+
+    runs = [json.load(open(path)) for path in args.replot]
+    rows = [row for run in runs for row in run["rows"]]
+    for row in rows:  # JSON keys are strings
+        for key in ("tpot_ms", "captures_per_call", "replays_per_call"):
+            row[key] = {int(n): value for n, value in row.get(key, {}).items()}
+    tpot_tokens = sorted({n for row in rows for n in row["tpot_ms"]})
+    first = runs[0]
+    print_table(rows, tpot_tokens, first["environment"], first["model"], first["arguments"]["repeats"])
+    if args.plot:
+        plot(rows, tpot_tokens, args.plot, f"{first['model']}\n{header(first['environment'])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default="llama3-8b-random")
     parser.add_argument("--lengths", type=int, nargs="+",
                         help="prompt lengths (default: 4096 .. 131072 for smollm2, else 32768 131072)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["sdpa", "sdpa-static", "plas", "xattn"],
-                        metavar="METHOD", help=f"{', '.join(METHODS)} (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", type=method_name, default=["sdpa", "sdpa-static", "plas", "xattn"],
+                        metavar="METHOD", help=f"{', '.join(METHODS)}, or plas / xattn with -FIELD=VALUE options "
+                                              "(default: %(default)s)")
     parser.add_argument("--tpot-tokens", "--new-tokens", type=int, nargs="+", default=[16, 256],
                         help="TPOT over each of these numbers of new tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per number (default: %(default)s)")
+    parser.add_argument("--ttft-only", nargs="*", default=[], metavar="METHOD",
+                        help="methods timed for TTFT and peak only (e.g. sdpa, whose eager decode is no baseline)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per call, each the same prompt (default: 1)")
     parser.add_argument("--segment-vocab", type=int, default=0,
                         help="random models: distinct token ids per 2048-token segment (0: uniform random ids)")
     parser.add_argument("--no-density", action="store_true", help="skip the untimed runs that record density")
     parser.add_argument("--fidelity", action="store_true", help="next-token KL / top-1 of each sparse method vs sdpa")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--plot", help="write the speed-up plot to this PNG file (needs matplotlib)")
+    parser.add_argument("--replot", nargs="+", metavar="JSON",
+                        help="no run: print the table and write --plot from the --json files of earlier runs (their "
+                             "rows together; no GPU needed)")
     args = parser.parse_args()
+    if args.replot:
+        replot(args)
+        return
     if min(args.tpot_tokens) < 2:
         parser.error("--tpot-tokens: TPOT needs at least 2 new tokens")
     if args.segment_vocab and args.model == "smollm2":
@@ -210,13 +249,15 @@ def main() -> None:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     described = loaded.description + (f", {args.segment_vocab} ids per 2048-token segment" if args.segment_vocab
-                                      else "")
+                                      else "") + f", batch {args.batch}"
     rows = []
     for length in lengths:
-        ids = loaded.prompt(length, args.segment_vocab)
+        ids = loaded.prompt(length, args.segment_vocab).expand(args.batch, -1).contiguous()
         at_length = []
         for method in args.methods:
-            at_length.append(measure(model, ids, method, args.tpot_tokens, args.repeats))
+            tpot_tokens = [] if method in args.ttft_only else args.tpot_tokens
+            at_length.append(measure(model, ids, method, tpot_tokens, args.repeats))
+            at_length[-1]["batch"] = args.batch
             row = at_length[-1]
             sparse = row["config"] is not None
             if sparse and not args.no_density:

@@ -17,6 +17,7 @@ from . import kernels
 from .cache import LAYER_ATTR
 from .config import CONFIG_KEY, config_from_dict
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
+from . import density
 from .density import PROBE_QUERIES, block_counts, falls_back_by_density, probe_threshold, selection_density
 from .gates import get_gate_weight
 from .methods import METHODS
@@ -155,11 +156,12 @@ def sparse_attention_forward(
         # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
         cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
     on_device = static_decode(method, phase, cache_layer, config, query)
-    if on_device and key_length >= config.dense_threshold(phase) and config.is_dense_layer(layer_idx, num_layers):
-        # A dense layer of a static decode step: every valid block, through the decode kernel (sdpa would
-        # take the host's length).
+    below = key_length < config.dense_threshold(phase)
+    if on_device and (below or config.is_dense_layer(layer_idx, num_layers)):
+        # A dense layer, or a short sequence, in a static decode step: every valid block through the decode
+        # kernel (sdpa would take the host's length, which a CUDA graph cannot replay).
         if recording():
-            record(LayerRecord(layer_idx, phase, "dense_layers"))
+            record(LayerRecord(layer_idx, phase, f"length {key_length} < dense_below" if below else "dense_layers"))
         selection = all_blocks_selection(cache_layer, key.shape[1], num_queries)
         output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
                                              scale=scale, q_offset=0, kv_start=cache_layer.row_layout,
@@ -219,23 +221,40 @@ def sparse_attention_forward(
     policy = METHODS[method](config)
     select = policy.select_decode if phase == "decode" else policy.select_prefill
     falls_back = phase == "prefill" and config.dense_above_density is not None and falls_back_by_density(query)
+    if falls_back:
+        share = policy.selection_share(num_queries, head_dim)
+        threshold = probe_threshold(config.dense_above_density, share)
+        floor = policy.density_floor(num_queries, key_length)
+        if floor >= threshold:
+            return run_dense(f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_density "
+                             f"{config.dense_above_density} less the selection, {share:.2f} of dense attention)")
+        known = density.recall(module, config, key_length, num_queries) if config.density_memory else None
+        if known is not None:
+            if known.dense:
+                return run_dense(f"{known.reason}; remembered for this length")
+            falls_back = False  # remembered sparse: no probe, no density read
     if falls_back and num_queries >= 4 * PROBE_QUERIES:
         probe_offset = q_offset + num_queries - PROBE_QUERIES
         probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,
                        kv_start=rows, key_scale=scales.get("key_scale"))
-        density = selection_density(probe, PROBE_QUERIES, probe_offset, rows)
-        share = policy.selection_share(num_queries, head_dim)
-        threshold = probe_threshold(config.dense_above_density, share)
-        if density >= threshold:
-            return run_dense(f"probe density {density:.3f} (last {PROBE_QUERIES} queries) >= {threshold:.3f} "
-                             f"(dense_above_density {config.dense_above_density} less the selection still to "
-                             f"run, {share:.2f} of dense attention)")
+        probe_density = selection_density(probe, PROBE_QUERIES, probe_offset, rows)
+        if probe_density >= threshold:
+            reason = (f"probe density {probe_density:.3f} (last {PROBE_QUERIES} queries) >= {threshold:.3f} "
+                      f"(dense_above_density {config.dense_above_density} less the selection still to run, "
+                      f"{share:.2f} of dense attention)")
+            if config.density_memory:
+                density.remember(module, config, key_length, num_queries, True, reason)
+            return run_dense(reason)
     selection = select(query, summaries, key, scale=scale, q_offset=q_offset, kv_start=rows,
                        key_scale=scales.get("key_scale"), **device_length)
     if falls_back:
-        density = selection_density(selection, num_queries, q_offset, rows)
-        if density >= config.dense_above_density:
-            return run_dense(f"density {density:.3f} >= dense_above_density {config.dense_above_density}")
+        selected = selection_density(selection, num_queries, q_offset, rows)
+        dense = selected >= config.dense_above_density
+        reason = f"density {selected:.3f} >= dense_above_density {config.dense_above_density}" if dense else ""
+        if config.density_memory:
+            density.remember(module, config, key_length, num_queries, dense, reason)
+        if dense:
+            return run_dense(reason)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=rows,
                                          logn_base=logn_base, **scales, **device_length)
     if recording():

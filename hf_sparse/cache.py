@@ -82,6 +82,9 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summarized_blocks = 0
         self._summary_source: tuple[Any, ...] | None = None
         self.row_layout: RowLayout | None = None
+        # The tensor row layouts' starts are kept in, and its (low, high): kept across reset() for reuse.
+        self._starts_buffer: torch.Tensor | None = None
+        self._layout_range: tuple[int, int] | None = None
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -142,6 +145,7 @@ class SparseCacheLayer(CacheLayerMixin):
             self.value_storage = reference.blocked_values(self.value_storage, self.block_size)
         else:
             self.value_storage = reference.token_values(self.value_storage, self.capacity).contiguous()
+        self.version += 1
         self._views()
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,10 +220,20 @@ class SparseCacheLayer(CacheLayerMixin):
         range is then read once), and lay int8 values out for it (blocked when every row starts at one slot on
         the block grid)."""
         row_layout = RowLayout.of(row_layout)
-        self.row_layout = RowLayout(row_layout.starts.clone(), row_layout.low, row_layout.high)
+        starts = self._starts_buffer
+        same_range = self._layout_range == (row_layout.low, row_layout.high)
+        if (same_range and starts is not None and starts.shape == row_layout.starts.shape
+                and starts.device == row_layout.starts.device and starts.dtype == row_layout.starts.dtype):
+            # A reset cache starting a sequence of the same layout range: the starts are written in place, so
+            # the version (and a CUDA graph captured over this layer) stays valid.
+            starts.copy_(row_layout.starts)
+        else:
+            starts = self._starts_buffer = row_layout.starts.clone()
+            self._layout_range = (row_layout.low, row_layout.high)
+            self.version += 1
+        self.row_layout = RowLayout(starts, row_layout.low, row_layout.high)
         if self.quantized:
             self._lay_out_values(self.row_layout.aligned(self.block_size))
-        self.version += 1
 
     def recent_block_summaries(self, gate_weight: torch.Tensor | None, recent: int) -> torch.Tensor:
         """Static layers in decode: rewrite the summaries of the blocks holding the last ``recent``
@@ -285,6 +299,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
             self.row_layout = RowLayout.read(fn(self.row_layout.starts))
+            self._starts_buffer = self.row_layout.starts
+            self._layout_range = (self.row_layout.low, self.row_layout.high)
         self.version += 1
         self._views()
 
@@ -318,9 +334,9 @@ class SparseCache(Cache):
     def __init__(self, config: Any = None, block_size: int | None = None, chunk_blocks: int = 16,
                  kv_dtype: str | None = None, max_cache_len: int | None = None) -> None:
         if block_size is None:
-            block_size = _block_size_from_config(config)
+            block_size = block_size_for(config)
         if kv_dtype is None:
-            kv_dtype = _kv_dtype_from_config(config)
+            kv_dtype = kv_dtype_for(config)
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.block_size = block_size
@@ -372,7 +388,8 @@ class _LayerFactory:
         return SparseCacheLayer(self.block_size, self.chunk_blocks, self.kv_dtype, self.max_cache_len)
 
 
-def _block_size_from_config(config: Any) -> int:
+def block_size_for(config: Any) -> int:
+    """The block size of the SparseCache a model with ``config`` gets (its method's kernel block size; 128)."""
     from .config import CONFIG_KEY, config_from_dict
 
     stored = getattr(config, CONFIG_KEY, None) if config is not None else None
@@ -382,7 +399,8 @@ def _block_size_from_config(config: Any) -> int:
     return 128
 
 
-def _kv_dtype_from_config(config: Any) -> str:
+def kv_dtype_for(config: Any) -> str:
+    """The K/V storage dtype of the SparseCache a model with ``config`` gets (its method's ``kv_cache_dtype``)."""
     from .config import CONFIG_KEY, config_from_dict
 
     stored = getattr(config, CONFIG_KEY, None) if config is not None else None

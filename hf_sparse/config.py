@@ -142,7 +142,13 @@ class PLASConfig(_MethodConfig):
             4096 tokens are probed first: if the selection of their last 1024 queries (a cheap estimate of the
             call's density) keeps this fraction less the share of dense time the rest of the selection would
             take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens about 0.43, at 128K
-            0.67), the call runs dense (exact) without selecting for the rest.
+            0.67), the call runs dense (exact) without selecting for the rest. Before any of that, a call whose
+            sparsest possible selection (every query of a tile choosing the same ``prefill_top_k[0]`` blocks,
+            ``PLASMethod.density_floor``) already reaches that threshold runs dense with no selection at all.
+        density_memory: the dense-or-sparse decision of a layer's prefill is taken once per configuration and
+            length bucket (half an octave of key length and of query count) and reused by later calls of that
+            layer and bucket: no probe, no selection density read back to the host. ``False`` decides on every
+            call. ``hf_sparse.density.forget_decisions(model)`` clears what a model remembers.
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
             decode step from a captured CUDA graph once the sequence is past ``dense_below``
@@ -161,6 +167,7 @@ class PLASConfig(_MethodConfig):
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
     dense_above_density: float | None = 0.75
+    density_memory: bool = True
     decode_cuda_graph: bool = True
     method: str = field(default="plas", init=False)
 
@@ -181,7 +188,7 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
-        _check_flags(self, "decode_cuda_graph")
+        _check_flags(self, "decode_cuda_graph", "density_memory")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -259,8 +266,11 @@ class XAttnConfig(_MethodConfig):
         kv_cache_dtype: K/V storage of the :class:`~hf_sparse.SparseCache` that ``generate()`` creates:
             ``"auto"`` (the model's dtype) or ``"int8"`` (per-token scales, dequantised inside the kernels,
             the prefill scoring included).
-        dense_above_density: as :class:`PLASConfig`'s; XAttention's scoring is counted as 0.3 of dense
-            attention at the probe (``XAttnMethod.SELECTION_SHARE``), so the default probe threshold is 0.525.
+        dense_above_density: as :class:`PLASConfig`'s; XAttention's scoring and selection are counted as a share
+            of dense attention's time that falls with the head dim and the length (``XAttnMethod.selection_share``:
+            at head dim 64 about 0.76 at 32K and 0.40 at 128K; at head dim 128 0.26 and 0.17). Where that share
+            leaves no density at which sparse attention would pay, the call runs dense without scoring.
+        density_memory: as :class:`PLASConfig`'s.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
     """
 
@@ -280,6 +290,7 @@ class XAttnConfig(_MethodConfig):
     logn_base: int | None = None
     kv_cache_dtype: str = "auto"
     dense_above_density: float | None = 0.75
+    density_memory: bool = True
     decode_cuda_graph: bool = True
     method: str = field(default="xattn", init=False)
 
@@ -306,7 +317,7 @@ class XAttnConfig(_MethodConfig):
                 or not 0.0 <= self.vote_ratio < 1.0:
             raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
         self.vote_ratio = float(self.vote_ratio)
-        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph")
+        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "density_memory")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:

@@ -2,6 +2,11 @@
 cuDNN / flash is faster than the sparse kernel at high density)."""
 from __future__ import annotations
 
+import functools
+import math
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from . import kernels
@@ -47,3 +52,51 @@ def selection_density(selection: BlockSelection, num_queries: int, q_offset: int
     """Attended / causal blocks of a selection (one device-to-host read)."""
     attended, causal = torch.stack(block_counts(selection, num_queries, q_offset, rows)).tolist()
     return attended / max(causal, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def top_k_density_floor(num_queries: int, key_length: int, query_tile: int, block_size: int, top_k: int) -> float:
+    """The least density a selection of at least ``top_k`` blocks per query can have (no padding): each tile of
+    ``query_tile`` queries keeps at least ``min(causal blocks, top_k)`` blocks, the causal blocks counted up to its
+    last query (as :func:`block_counts` counts them)."""
+    q_offset = key_length - num_queries
+    attended = causal = 0
+    for first in range(0, num_queries, query_tile):
+        blocks = (q_offset + min(first + query_tile, num_queries) - 1) // block_size + 1
+        attended += min(blocks, top_k)
+        causal += blocks
+    return attended / max(causal, 1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A layer's prefill decision for one configuration and length bucket."""
+
+    dense: bool
+    reason: str
+
+
+#: Each attention module's remembered decisions, held beside the module (copies and pickles of it stay plain).
+_DECISIONS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Decision]]" = weakref.WeakKeyDictionary()
+
+
+def _bucket(module_config: object, key_length: int, num_queries: int) -> tuple:
+    """Half an octave of key length and of query count, per configuration object (one per stored config)."""
+    return id(module_config), int(2 * math.log2(max(key_length, 1))), int(2 * math.log2(max(num_queries, 1)))
+
+
+def recall(module: torch.nn.Module, config: object, key_length: int, num_queries: int) -> Decision | None:
+    """The decision remembered for this module, configuration and length bucket, if any."""
+    return _DECISIONS.get(module, {}).get(_bucket(config, key_length, num_queries))
+
+
+def remember(module: torch.nn.Module, config: object, key_length: int, num_queries: int, dense: bool,
+             reason: str) -> None:
+    """Keep a decision for later calls of this module, configuration and length bucket."""
+    _DECISIONS.setdefault(module, {})[_bucket(config, key_length, num_queries)] = Decision(dense, reason)
+
+
+def forget_decisions(model: torch.nn.Module) -> None:
+    """Drop every decision the modules of ``model`` remember (the next prefills decide again)."""
+    for module in model.modules():
+        _DECISIONS.pop(module, None)

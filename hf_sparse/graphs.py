@@ -7,14 +7,21 @@ sequence. :class:`DecodeGraphs` wraps a model's ``forward`` for the length of on
 (:func:`install` from the cache hook, :func:`uninstall` when generate() returns): the first qualifying decode call
 runs eagerly (on the capture stream: kernels compile, per-stream buffers are made), the second is captured and
 replayed, and later ones copy their inputs into the captured buffers and replay. Any other call runs the model's
-forward unchanged. A new cache, a re-allocated or reordered one, or a new batch or step width captures again.
-:func:`stats` tells what happened (replays, captures, and why graphs were turned off, if they were).
+forward unchanged. A new cache, a re-allocated or reordered one, or a new batch or step width captures again, and
+so does a sequence crossing the method's ``dense_below`` (below it every layer decodes all blocks, through the same
+decode kernel).
+
+Between ``generate()`` calls a model keeps its :class:`DecodeState`: the static cache ``generate()`` made (reset and
+reused by the next call whose prompt fits it, :func:`reusable_cache`) and the captured graphs, which point at that
+cache's storage. A later call that fits therefore allocates nothing and captures nothing: its first decode step
+replays. :func:`release` frees both. :func:`stats` tells what happened (replays, captures, and why graphs were
+turned off, if they were).
 """
 from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,47 +71,69 @@ class GraphStats:
     disabled_reason: str | None = None
 
 
-class DecodeGraphs:
-    """A model's ``forward`` whose decode calls over a static SparseCache run as CUDA-graph replays."""
+@dataclass
+class _Captured:
+    """One captured decode step: the graph, its input buffers and its output's buffers."""
 
-    def __init__(self, model: torch.nn.Module, forward: Any, previous: Any, stats: GraphStats) -> None:
-        self._model = model
-        self.forward = forward
-        self.previous = previous  # the instance attribute `forward` replaced (e.g. accelerate's hook), if any
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: tuple[type, dict[str, Any], str]
+
+
+#: Captured graphs a model keeps at once (one per graph key: step width, below / above ``dense_below``, ...).
+MAX_GRAPHS = 4
+
+
+class DecodeGraphs:
+    """A model's ``forward`` whose decode calls over a static SparseCache run as CUDA-graph replays.
+
+    Its graphs belong to one cache (they point at its storage): a call over another cache drops them. Between
+    ``generate()`` calls the object is kept (:class:`DecodeState`) without the model's ``forward``."""
+
+    def __init__(self, model: torch.nn.Module, stats: GraphStats) -> None:
+        self._model = weakref.ref(model)
+        self.forward: Any = None
+        self.previous: Any = None  # the instance attribute `forward` replaced (e.g. accelerate's hook), if any
         self.stats = stats
-        self.__wrapped__ = forward  # inspect.signature(model.forward) still sees the model's arguments
-        self.__doc__ = getattr(forward, "__doc__", None)
         self._stream: torch.cuda.Stream | None = None
         self._forget()
 
+    def attach(self, forward: Any, previous: Any) -> None:
+        """Wrap ``forward`` (the model's own) for one generate() call."""
+        self.forward, self.previous = forward, previous
+        self.__wrapped__ = forward  # inspect.signature(model.forward) still sees the model's arguments
+        self.__doc__ = getattr(forward, "__doc__", None)
+
+    def detach(self) -> None:
+        """Let go of the model's ``forward`` (kept graphs stay)."""
+        self.forward = self.previous = self.__wrapped__ = None
+
     def _forget(self) -> None:
         self._cache: weakref.ref | None = None
-        self._key: tuple | None = None
-        self._warm = False
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._inputs: dict[str, torch.Tensor] = {}
-        self._output: tuple[type, dict[str, Any], str] | None = None
+        self._warm: set[tuple] = set()
+        self._graphs: dict[tuple, _Captured] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = None if args else self._graph_key(kwargs)
         if key is None:
             return self.forward(*args, **kwargs)
         cache = _cache_of(kwargs)
-        if self._cache is None or self._cache() is not cache or self._key != key:
+        if self._cache is None or self._cache() is not cache:
             self._forget()
-            self._cache, self._key = weakref.ref(cache), key
-        if self._graph is None:
-            if not self._warm:
-                self._warm = True
+            self._cache = weakref.ref(cache)
+        captured = self._graphs.get(key)
+        if captured is None:
+            if key not in self._warm:
+                self._warm.add(key)
                 return self._on_capture_stream(kwargs)
             try:
-                self._capture(cache, kwargs)
+                captured = self._capture(cache, kwargs, key)
             except Exception as error:  # noqa: BLE001 - any capture failure: decode eagerly from now on
                 self.stats.disabled_reason = f"CUDA graph capture failed ({type(error).__name__}: {error})"
                 logger.warning("hf_sparse: %s; decoding eagerly", self.stats.disabled_reason)
                 self._forget()
                 return self.forward(**kwargs)
-        return self._replay(cache, kwargs)
+        return self._replay(captured, cache, kwargs)
 
     # -- which calls -------------------------------------------------------------------------------------
     def _graph_key(self, kwargs: dict[str, Any]) -> tuple | None:
@@ -122,10 +151,11 @@ class DecodeGraphs:
             return None
         if not input_ids.is_cuda or input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= DECODE_MAX_QUERY:
             return None
-        implementation = getattr(self._model.config, "_attn_implementation", None)
+        model = self._model()
+        implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
         if implementation not in GRAPH_METHODS:
             return None
-        config = method_config(self._model.config, implementation)
+        config = method_config(model.config, implementation)
         if not config.decode_cuda_graph or not cache.layers:
             return None
         steps = input_ids.shape[1]
@@ -133,13 +163,13 @@ class DecodeGraphs:
             if (not getattr(layer, "static", False) or layer.key_storage is None
                     or layer.row_layout is None or layer.length + steps > layer.capacity):
                 return None
-        if cache.layers[0].length < config.dense_threshold("decode"):
-            return None  # short sequences decode dense (sdpa, bit-equal), on the host's length
+        # Below dense_below every layer decodes all blocks; above it the sparse layers select: two graphs.
+        sparse = cache.layers[0].length >= config.dense_threshold("decode")
         tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(kwargs.items())
                         if isinstance(value, torch.Tensor) and name != "attention_mask")
         others = tuple((name, value) for name, value in sorted(kwargs.items())
                        if not isinstance(value, torch.Tensor) and name not in CACHE_KWARGS)
-        return tensors + others + (cache.layout_version,)
+        return tensors + others + (implementation, id(config), sparse, cache.layout_version)
 
     # -- capture and replay ------------------------------------------------------------------------------
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -163,7 +193,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         return output
 
-    def _capture(self, cache: SparseCache, kwargs: dict[str, Any]) -> None:
+    def _capture(self, cache: SparseCache, kwargs: dict[str, Any], key: tuple) -> _Captured:
         device = kwargs["input_ids"].device
         inputs = {name: value.clone() for name, value in kwargs.items()
                   if isinstance(value, torch.Tensor) and name != "attention_mask"}
@@ -181,37 +211,61 @@ class DecodeGraphs:
         # Keep the output's buffers, not its cache: the cache must be freed when generate() lets it go.
         fields = {name: value for name, value in output.items() if name not in CACHE_KWARGS}
         cache_field = next((name for name in CACHE_KWARGS if name in output.keys()), CACHE_KWARGS[0])
-        self._graph, self._inputs, self._output = graph, inputs, (type(output), fields, cache_field)
+        while len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.pop(next(iter(self._graphs)))
+        captured = self._graphs[key] = _Captured(graph, inputs, (type(output), fields, cache_field))
         self.stats.captures += 1
+        return captured
 
-    def _replay(self, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
-        for name, buffer in self._inputs.items():
+    def _replay(self, captured: _Captured, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
+        for name, buffer in captured.inputs.items():
             buffer.copy_(kwargs[name])
-        self._graph.replay()
+        captured.graph.replay()
         cache.advance_host_length(kwargs["input_ids"].shape[1])
         self.stats.replays += 1
-        output_type, fields, cache_field = self._output
+        output_type, fields, cache_field = captured.output
         fields = dict(fields, **{cache_field: cache})
         fields["logits"] = fields["logits"].clone()  # the graph's buffer is overwritten by the next replay
         return output_type(**fields)
 
 
+@dataclass
+class DecodeState:
+    """What a model keeps between generate() calls for CUDA-graph decode: the static cache generate() made and
+    the graphs captured over it."""
+
+    graphs: DecodeGraphs | None = None
+    cache: SparseCache | None = None
+
+
+#: Each model's DecodeState, held beside the model (not in it: copies and pickles of the model stay plain).
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, DecodeState]" = weakref.WeakKeyDictionary()
+
+
+def _stats_of(model: torch.nn.Module) -> GraphStats:
+    stats = model.__dict__.get(_STATS_ATTR)
+    if stats is None:
+        stats = model.__dict__[_STATS_ATTR] = GraphStats()
+    return stats
+
+
 def install(model: torch.nn.Module) -> DecodeGraphs:
-    """Wrap ``model.forward`` in :class:`DecodeGraphs` (an instance attribute; once; undone by :func:`uninstall`)."""
+    """Wrap ``model.forward`` in the model's :class:`DecodeGraphs` (an instance attribute; once; undone by
+    :func:`uninstall`); graphs kept from earlier calls are replayed when their cache comes back."""
     current = model.__dict__.get("forward")
     if isinstance(current, DecodeGraphs):
         return current
-    stats = model.__dict__.get(_STATS_ATTR)
-    if stats is None:
-        stats = GraphStats()
-        model.__dict__[_STATS_ATTR] = stats
-    wrapper = DecodeGraphs(model, model.forward, current, stats)
+    state = _STATES.setdefault(model, DecodeState())
+    if state.graphs is None:
+        state.graphs = DecodeGraphs(model, _stats_of(model))
+    wrapper = state.graphs
+    wrapper.attach(model.forward, current)
     model.__dict__["forward"] = wrapper
     return wrapper
 
 
 def uninstall(model: torch.nn.Module) -> None:
-    """Restore the ``forward`` :func:`install` replaced and free the captured graph."""
+    """Restore the ``forward`` :func:`install` replaced (the captured graphs stay with the model's state)."""
     wrapper = model.__dict__.get("forward")
     if not isinstance(wrapper, DecodeGraphs):
         return
@@ -219,7 +273,42 @@ def uninstall(model: torch.nn.Module) -> None:
         del model.__dict__["forward"]
     else:
         model.__dict__["forward"] = wrapper.previous
-    wrapper._forget()
+    wrapper.detach()
+
+
+def reusable_cache(model: torch.nn.Module, max_cache_len: int, batch: int | None, block_size: int,
+                   kv_dtype: str) -> SparseCache | None:
+    """The static cache an earlier generate() of ``model`` made, reset, when it fits this call (same batch,
+    block size and K/V dtype; room for ``max_cache_len`` tokens, and not more than twice that plus 8192: a far
+    larger cache would make the short call's decode read a long storage). Else None, and the kept cache and
+    graphs are let go first, so that the new cache does not sit beside the old one."""
+    state = _STATES.get(model)
+    cache = state.cache if state is not None else None
+    if cache is None:
+        return None
+    layer = cache.layers[0] if cache.layers else None
+    storage = getattr(layer, "key_storage", None)
+    fits = (storage is not None and cache.block_size == block_size and cache.kv_dtype == kv_dtype
+            and batch is not None and storage.shape[0] == batch
+            and max_cache_len <= layer.capacity <= max(2 * max_cache_len, max_cache_len + 8192))
+    if not fits:
+        release(model)
+        return None
+    cache.reset()
+    return cache
+
+
+def keep_cache(model: torch.nn.Module, cache: SparseCache) -> None:
+    """Keep ``cache`` (a static cache generate() made) for the model's next generate() call."""
+    _STATES.setdefault(model, DecodeState()).cache = cache
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free what CUDA-graph decode keeps between ``model``'s generate() calls: the static cache and the captured
+    graphs (their memory returns to PyTorch's allocator)."""
+    state = _STATES.pop(model, None)
+    if state is not None and state.graphs is not None:
+        state.graphs._forget()
 
 
 def stats(model: torch.nn.Module) -> GraphStats | None:

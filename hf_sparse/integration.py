@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from . import graphs, kernels
 from .attention import dense_attention, method_config, sparse_attention_forward
-from .cache import CACHE_KWARG, SparseCache
+from .cache import CACHE_KWARG, SparseCache, block_size_for, kv_dtype_for
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .star_attention import star_attention_forward
 
@@ -56,6 +56,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
 
 
 _ORIGINAL: dict[str, Any] = {}
+
+#: A static cache generate() makes holds its tokens rounded up to a multiple of this, so that later calls with a
+#: few more new tokens (or a slightly longer prompt) reuse it and its CUDA graphs (graphs.reusable_cache).
+STATIC_CACHE_STEP = 1024
 
 
 try:  # cache_implementation values that make generate() preallocate its cache
@@ -110,7 +114,17 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         length = _graph_cache_length(self, generation_config, args, kwargs)
         if length is None and static_asked:
             length = _static_cache_length(generation_config, args, kwargs)
-        cache = SparseCache(self.config, max_cache_len=length)
+        cache = None
+        if length is not None:
+            # Static storage in steps of STATIC_CACHE_STEP tokens, kept for the next call that fits (graphs.py).
+            length = -(-length // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
+            batch = args[1] if len(args) > 1 else kwargs.get("batch_size")
+            cache = graphs.reusable_cache(self, length, batch if isinstance(batch, int) else None,
+                                          block_size_for(self.config), kv_dtype_for(self.config))
+        if cache is None:
+            cache = SparseCache(self.config, max_cache_len=length)
+            if length is not None:
+                graphs.keep_cache(self, cache)
         model_kwargs[CACHE_KWARG] = cache
     if isinstance(cache, SparseCache) and cache.static_length is not None and implementation in graphs.GRAPH_METHODS:
         graphs.install(self)

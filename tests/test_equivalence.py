@@ -240,6 +240,9 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
     import hf_sparse.attention as attention
 
     monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    # the measured density decides here, not the selection's cost estimate (test_density_floor_and_memory)
+    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.0)
+    monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method), build(config, "sdpa")
     dense_config, sparse_config = fallback_configs(method)
@@ -253,7 +256,7 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
         assert torch.equal(out, expected)
         reasons = rec.dense_layers("prefill")
         assert set(reasons) == {0, 1} and all(r.startswith("density 1.000 >= dense_above_density 0.75")
-                                              for r in reasons.values())
+                                              for r in reasons.values())  # generate()'s prefill: remembered
         assert not rec.dense_layers("decode") and generated.shape[1] == ids.shape[1] + 3
         for config_ in (dataclasses.replace(dense_config, dense_above_density=None), sparse_config):
             hf_sparse.configure(sparse, config_)
@@ -278,7 +281,8 @@ def test_probe_threshold_counts_the_selection_still_to_run():
     assert plas.selection_share(32768, 64) == pytest.approx(2 * plas.selection_share(32768, 128))
     assert 0.05 < plas.selection_share(131072, 128) < 0.1 < plas.selection_share(32768, 64) < 0.5
     xattn = METHODS["xattn"](hf_sparse.XAttnConfig())
-    assert xattn.selection_share(32768, 64) == xattn.selection_share(131072, 128) == xattn.SELECTION_SHARE
+    assert xattn.selection_share(32768, 64) > 1.0 > 0.4 < xattn.selection_share(131072, 64) < 0.6
+    assert 0.1 < xattn.selection_share(131072, 128) < xattn.selection_share(32768, 128) < 0.5
 
 
 @pytest.mark.parametrize("method", ["plas", "xattn"])
@@ -289,6 +293,8 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     import hf_sparse.attention as attention
 
     monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.0)
+    monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method).to(device), build(config, "sdpa").to(device)
@@ -310,13 +316,14 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         assert all(r.startswith("probe density 1.000 (last 64 queries) >= ") and "dense_above_density 0.75" in r
                    for r in rec.dense_layers("prefill").values()) and len(rec.dense_layers("prefill")) == 2
         hf_sparse.configure(sparse, sparse_config)
-        # a sparse probe: dense only where the selection still to run would cost more than dense attention
+        # a selection costing dense attention's time: dense at any density, decided before selecting anything
         monkeypatch.setattr(policy, "selection_share", lambda self, num_queries, head_dim: 1.0)
         calls.clear()
         with hf_sparse.record_sparsity() as rec:
             assert torch.equal(sparse(ids).logits, dense(ids).logits)
-        assert calls == [64, 64] and all("less the selection still to run, 1.00 of dense attention" in r
-                                         for r in rec.dense_layers("prefill").values())
+        assert calls == [] and all(r.startswith("the sparsest selection keeps 0.000 >= 0.000")
+                                   for r in rec.dense_layers("prefill").values())
+        # a sparse probe: on to the full selection, whose density is checked and remembered
         monkeypatch.setattr(policy, "selection_share", lambda self, num_queries, head_dim: 0.0)
         calls.clear()
         with hf_sparse.record_sparsity() as rec:
@@ -327,3 +334,69 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         unprobed = sparse(ids).logits
         assert calls == [length, length]
         assert torch.equal(probed, unprobed)
+        # the decisions are remembered: no probe now either (a remembered sparse layer reads no density back)
+        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)
+        calls.clear()
+        assert torch.equal(sparse(ids).logits, probed) and calls == [length, length]
+        hf_sparse.density.forget_decisions(sparse)
+        calls.clear()
+        sparse(ids)
+        assert calls == [64, length, 64, length]
+
+
+def test_density_floor_matches_the_sparsest_selection():
+    """PLAS's density floor is the density of a selection where every query of a tile keeps the same top_k[0]
+    blocks (within the causal ones): counted here by brute force over the tiles."""
+    from hf_sparse.density import top_k_density_floor
+
+    for num_queries, key_length, tile, block, k in [(300, 300, 32, 16, 3), (4096, 4096, 128, 128, 50),
+                                                    (100, 700, 16, 16, 5), (16384, 16384, 128, 128, 50)]:
+        q_offset = key_length - num_queries
+        attended = causal = 0
+        for query in range(num_queries):
+            if query % tile == tile - 1 or query == num_queries - 1:
+                blocks = (q_offset + query) // block + 1
+                attended, causal = attended + min(blocks, k), causal + blocks
+        assert top_k_density_floor(num_queries, key_length, tile, block, k) == pytest.approx(attended / causal)
+    assert top_k_density_floor(4096, 4096, 128, 128, 50) == 1.0  # 32 blocks: every tile keeps all
+
+
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_density_floor_and_memory(method, monkeypatch):
+    """A prefill whose sparsest possible selection already reaches the dense threshold runs sdpa (exactly)
+    without selecting; a measured decision is remembered per layer and length bucket (density_memory), not with
+    density_memory=False."""
+    import dataclasses
+
+    import hf_sparse.attention as attention
+
+    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    config = tiny_config("llama", 4, 2)
+    sparse, dense = build(config, method), build(config, "sdpa")
+    _, sparse_config = fallback_configs(method)
+    policy = attention.METHODS[method]
+    calls = []
+    original = policy.select_prefill
+    monkeypatch.setattr(policy, "select_prefill", lambda self, query, *a, **k: calls.append(query.shape[2])
+                        or original(self, query, *a, **k))
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(policy, "selection_share", lambda self, num_queries, head_dim: 0.0)
+    with torch.no_grad():
+        monkeypatch.setattr(policy, "density_floor", lambda self, num_queries, key_length: 0.9)
+        hf_sparse.configure(sparse, sparse_config)
+        with hf_sparse.record_sparsity() as rec:
+            assert torch.equal(sparse(ids).logits, dense(ids).logits)
+        assert calls == [] and all(r.startswith("the sparsest selection keeps 0.900 >= ")
+                                   for r in rec.dense_layers("prefill").values())
+        monkeypatch.setattr(policy, "density_floor", lambda self, num_queries, key_length: 0.0)
+        reads = []
+        monkeypatch.setattr(attention, "selection_density", lambda *a: reads.append(1) or 0.1)
+        for memory, expected_reads in ((True, 2), (False, 6)):
+            hf_sparse.configure(sparse, dataclasses.replace(sparse_config, density_memory=memory))
+            reads.clear()
+            for length in (200, 190, 210):  # one half-octave bucket
+                sparse(ids[:, :length])
+            assert len(reads) == expected_reads, memory
+        reads.clear()
+        sparse(ids[:, :100])  # another bucket: decided anew
+        assert len(reads) == 2

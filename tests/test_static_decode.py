@@ -242,6 +242,39 @@ def test_transformers_static_cache_is_mapped_or_refused():
         model(ids, past_key_values=StaticCache(config=config, max_cache_len=64))
 
 
+def test_generate_reuses_its_static_cache_while_it_fits():
+    """The static SparseCache generate() makes is kept for the next call: reset and reused while the call fits it
+    (same batch; a prompt and new tokens within its storage, which is not more than about twice what the call
+    needs), with the tokens of a fresh cache; otherwise let go before a new one is made (never two at once);
+    graphs.release() frees it."""
+    from hf_sparse import graphs
+
+    model = build(tiny_config(layers=2), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, query_union=16))
+    ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(do_sample=False, pad_token_id=0, cache_implementation="static", return_dict_in_generate=True)
+    first = model.generate(ids, max_new_tokens=6, **kwargs)
+    cache = first.past_key_values
+    assert cache.layers[0].capacity == 1024  # 66 tokens in steps of integration.STATIC_CACHE_STEP
+    storage = cache.layers[0].key_storage
+    graphs.release(model)
+    expected = {n: model.generate(ids[:, :n], max_new_tokens=9, **kwargs).sequences for n in (60, 41)}
+    graphs.release(model)
+    model.generate(ids, max_new_tokens=6, **kwargs)
+    for n in (60, 41):  # other lengths, same storage
+        again = model.generate(ids[:, :n], max_new_tokens=9, **kwargs)
+        assert again.past_key_values is graphs._STATES[model].cache
+        assert again.past_key_values.layers[0].key_storage is graphs._STATES[model].cache.layers[0].key_storage
+        assert torch.equal(again.sequences, expected[n])
+    kept = graphs._STATES[model].cache
+    single = model.generate(ids[:1], max_new_tokens=3, **kwargs).past_key_values  # another batch: a new cache
+    assert single is not kept and graphs._STATES[model].cache is single
+    graphs.release(model)
+    assert model not in graphs._STATES
+    del storage
+
+
 def test_static_cache_validation_and_growth():
     with pytest.raises(ValueError, match="max_cache_len"):
         SparseCache(tiny_config(), max_cache_len=0)
@@ -367,6 +400,16 @@ def test_generate_with_cuda_graphs_equals_eager(method, dtype, kv_dtype):
     assert stats is not None and stats.disabled_reason is None and stats.captures == 1
     assert stats.replays == 38  # decode steps 2..39 replay (step 1 warms up)
     assert "forward" not in model.__dict__  # the wrapper lives for one generate() call
+    # A second call fits the kept cache: no capture, every decode step replays, the same tokens.
+    again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert stats.captures == 1 and stats.replays == 38 + 39
+    assert torch.equal(again, runs[True])
+    # Below dense_below the decode steps replay a graph too (every block, through the decode kernel).
+    hf_sparse.configure(model, graph_config(method, kv_cache_dtype=kv_dtype, dense_below=(0, 10_000)))
+    short = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert stats.captures == 2 and stats.replays == 38 + 39 + 10
+    assert torch.equal(short[:, new][:, :4], runs[False][:, new][:, :4]) or method == "xattn"
+    hf_sparse.graphs.release(model)
     # Under graphs the dense last layer runs the decode kernel over all blocks instead of sdpa: on this random
     # model's near-tied logits a late token may flip, after which the two continuations differ.
     new = slice(ids.shape[1], None)

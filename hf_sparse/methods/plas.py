@@ -5,6 +5,7 @@ import torch
 
 from .. import kernels
 from ..config import PLASConfig
+from ..density import top_k_density_floor
 from ..selection import BlockSelection, RowLayout
 
 
@@ -16,7 +17,8 @@ class PLASMethod:
     ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
     int8), returning a :class:`BlockSelection`; methods whose config has ``dense_above_density`` also give
-    ``selection_share(num_queries, head_dim)`` for the density probe.
+    ``selection_share(num_queries, head_dim)`` and ``density_floor(num_queries, key_length)`` for the density
+    decision.
     """
 
     name = "plas"
@@ -31,6 +33,13 @@ class PLASMethod:
     def selection_share(self, num_queries: int, head_dim: int) -> float:
         """Estimated prefill selection time for ``num_queries`` queries, as a share of dense attention's."""
         return self.SELECTION_COST / max(1, num_queries * head_dim)
+
+    def density_floor(self, num_queries: int, key_length: int) -> float:
+        """The least prefill density any selection can have here: every query keeps at least ``prefill_top_k[0]``
+        blocks, so a tile keeps at least that many of its causal blocks."""
+        config = self.config
+        return top_k_density_floor(num_queries, key_length, config.query_union, config.block_size,
+                                   config.prefill_top_k[0])
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,

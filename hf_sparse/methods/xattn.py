@@ -21,18 +21,26 @@ class XAttnMethod:
     """
 
     name = "xattn"
-    #: Prefill scoring + selection time over dense causal attention time: the strided scores are quadratic in
-    #: the queries like attention itself, so a share. Against cuDNN (H100, bf16, 32K-128K): 0.17-0.26 at head
-    #: dim 128, 0.40-0.78 at head dim 64; a model's own sdpa (FlashAttention first) is slower, and on SmolLM2
-    #: (head dim 64) running XAttention's layers sparse at 32K beat sdpa (docs/benchmarks.md).
-    SELECTION_SHARE = 0.3
+    #: Prefill scoring + selection time over dense causal attention time (cuDNN), ``A / d + B / (N d^2)`` for head
+    #: dim ``d`` and ``N`` queries: the strided scores are quadratic in the queries like attention itself (the
+    #: ``A / d`` part), the per-tile selection and the call's launches about linear (the ``B`` part). Fitted on
+    #: the H100 (bf16) to the kernels' shares at 128K (`benchmarks/bench_attention.py --crossover`: head dim 64
+    #: 0.40, head dim 128 0.17) and to SmolLM2's real-model prefill at 32K (head dim 64), where XAttention at
+    #: density 0.17 took 1.7x sdpa's time: its launches and reads weigh more than the kernels alone show.
+    SHARE_SCORES = 17.8
+    SHARE_SELECTION = 1.2e8
 
     def __init__(self, config: XAttnConfig) -> None:
         self.config = config
 
     def selection_share(self, num_queries: int, head_dim: int) -> float:
         """Estimated prefill selection time for ``num_queries`` queries, as a share of dense attention's."""
-        return self.SELECTION_SHARE
+        return self.SHARE_SCORES / head_dim + self.SHARE_SELECTION / (max(1, num_queries) * head_dim ** 2)
+
+    def density_floor(self, num_queries: int, key_length: int) -> float:
+        """The least prefill density XAttention's threshold may leave: a mass threshold has no minimum block
+        count beyond the forced sink and diagonal blocks, so 0 here."""
+        return 0.0
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
