@@ -5,7 +5,8 @@ SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instr
     python benchmarks/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
     python benchmarks/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
 
-prefill: one forward over ``--length`` prompt tokens with an all-ones 2D attention mask (default model: the
+prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over ``--length`` prompt tokens with an
+  all-ones 2D attention mask (default model: the
   SmolLM2-135M shape, whose small layers show host time). Per method: the median wall time of ``--repeats``
   forwards against the GPU busy time (its kernels' union, torch.profiler): what the host adds; the GPU time by
   kernel; the synchronising CUDA calls of one forward, by the Python line that made them
@@ -39,8 +40,8 @@ import warnings
 
 import torch
 
-from _common import (add_model_arguments, cache_kwarg, environment, graph_counts,
-                     header, load_model, progress, require_cuda, speedup, table, use_method)
+from _common import (add_model_arguments, cache_kwarg, environment, graph_counts, header, load_model,
+                     method_name, progress, require_cuda, speedup, table, use_method)
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the GPU
 
@@ -102,7 +103,12 @@ def forward(model, ids: torch.Tensor) -> None:
     model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
 
 
-def sync_sites(model, ids: torch.Tensor) -> collections.Counter:
+def first_token(model, ids: torch.Tensor) -> None:
+    """``generate(max_new_tokens=1)``: the prefill as generate() runs it (its cache, hooks and sampling)."""
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+
+def sync_sites(model, ids: torch.Tensor, forward=forward) -> collections.Counter:
     """Synchronising CUDA calls of one forward, counted by the innermost ``file:line`` of hf_sparse (else of
     transformers) on the Python stack that made them."""
     sites = collections.Counter()
@@ -135,6 +141,7 @@ def prefill(args, loaded) -> None:
 
     model, ids = loaded.model, loaded.prompt(args.length)
     layers = model.config.num_hidden_layers
+    forward = first_token if args.generate else globals()["forward"]
     rows, details = [], []
     for method in args.methods:
         use_method(model, method)
@@ -149,13 +156,14 @@ def prefill(args, loaded) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             forward(model, ids)
             torch.cuda.synchronize()
-        sites = sync_sites(model, ids)
+        sites = sync_sites(model, ids, forward)
         row = {"method": method, "wall_ms": statistics.median(walls), "syncs": sum(sites.values())}
         row["gpu_ms"] = timeline(gpu_intervals(prof))["busy_us"] / 1e3
         rows.append(row)
         details.append((method, kernel_table(prof, 1, args.rows), sites))
         progress(json.dumps(row))
-    print(f"\n{header(environment())}\n{loaded.description}; one forward of {args.length} tokens, all-ones 2D mask; "
+    what = "generate(max_new_tokens=1)" if args.generate else "one forward"
+    print(f"\n{header(environment())}\n{loaded.description}; {what} of {args.length} tokens, all-ones 2D mask; "
           f"wall = median of {args.repeats}, GPU busy = union of its kernels (torch.profiler)")
     print(table([("method", lambda r: r["method"]), ("wall ms", lambda r: f"{r['wall_ms']:.1f}"),
                  ("GPU busy ms", lambda r: f"{r['gpu_ms']:.1f}"),
@@ -357,9 +365,12 @@ def main() -> None:
     sub.add_argument("--length", type=int, default=32768, help="prompt tokens (default: %(default)s)")
     sub.add_argument("--repeats", type=int, default=5, help="timed forwards (default: %(default)s)")
     choices = ["sdpa"] + sparse_variants(("noprobe", "int8"))
-    sub.add_argument("--methods", nargs="+", default=["sdpa", "plas", "plas-noprobe"], choices=choices,
+    sub.add_argument("--methods", nargs="+", default=["sdpa", "plas", "plas-noprobe"], type=method_name,
                      metavar="METHOD", help=f"{', '.join(choices)}; -int8: an int8 K/V cache (default: %(default)s)")
     sub.add_argument("--rows", type=int, default=12, help="kernels and call sites listed (default: %(default)s)")
+    sub.add_argument("--generate", action="store_true",
+                     help="time generate(max_new_tokens=1) (TTFT: the cache generate() makes, its hooks) instead of a "
+                          "forward")
     sub.set_defaults(run=prefill)
 
     sub = commands.add_parser("decode", help="GPU time by kernel, launch gaps and the bandwidth floor of a decode step",

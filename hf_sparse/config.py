@@ -257,7 +257,13 @@ class XAttnConfig(_MethodConfig):
         keep_diagonal: always keep the block(s) holding the tile's (or decode query's) own tokens.
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
-            ``8 * block_size``; ``0`` forces the sparse path; a pair sets (prefill, decode) separately.
+            ``8 * block_size`` in prefill (where the density decision then weighs the scoring's cost) and
+            ``DECODE_DENSE_BLOCKS * block_size`` (262144 tokens at block 128) in decode: XAttention's decode
+            selection (block scores, cumulative threshold, GQA union: about 40 small launches per layer) costs
+            more than the K/V reads it saves below that on the models measured (SmolLM2-135M on the H100: 0.11 ms
+            per layer, against 0.18 ms for all of a 128K sequence's K/V on the Llama-3-8B shape, at decode
+            density 0.72), so shorter sequences decode every block through the decode kernel (CUDA graph);
+            ``0`` forces the sparse path; a pair sets (prefill, decode) separately.
         prefill_chunk: query tokens scored at once in prefill (a multiple of ``block_size``; ``None`` = all),
             which bounds the scoring pass's memory; selections equal the unchunked run.
         logn_scaling: Qwen-style logN scaling: the query at row position ``n`` (1-based) is scaled by
@@ -293,6 +299,9 @@ class XAttnConfig(_MethodConfig):
     density_memory: bool = True
     decode_cuda_graph: bool = True
     method: str = field(default="xattn", init=False)
+
+    #: Default decode ``dense_below``, in blocks (see the field's description).
+    DECODE_DENSE_BLOCKS = 2048
 
     def __post_init__(self) -> None:
         block_size = _as_int("block_size", self.block_size)
@@ -339,7 +348,7 @@ class XAttnConfig(_MethodConfig):
     def dense_threshold(self, phase: str) -> int:
         """Sequence length below which the phase (``"prefill"`` or ``"decode"``) runs dense."""
         if self.dense_below is None:
-            return 8 * self.block_size
+            return (8 if phase == "prefill" else self.DECODE_DENSE_BLOCKS) * self.block_size
         if isinstance(self.dense_below, tuple):
             return self.dense_below[0 if phase == "prefill" else 1]
         return self.dense_below

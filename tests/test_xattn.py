@@ -30,7 +30,7 @@ def test_config_defaults_and_registry():
     config = XAttnConfig()
     assert (config.block_size, config.stride, config.threshold, config.gqa_reduce) == (128, 8, 0.9, "any")
     assert config.keep_sink and config.keep_diagonal and config.dense_layers == (-1,)
-    assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 8 * 128
+    assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 2048 * 128
     assert XAttnConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
     assert config.mass_threshold("decode") == 0.99
     assert XAttnConfig(decode_threshold=None).mass_threshold("decode") == 0.9
