@@ -208,14 +208,6 @@ def sparse_attention_forward(
             cache_layer.set_padding(rows)
         value = cache_layer.values  # in the layout now kept
         scales = {"key_scale": cache_layer.key_scales, "value_scale": cache_layer.value_scales}
-    device_length = {}
-    if on_device:  # static storage and lengths read on the device (CUDA-graph safe)
-        key, value = cache_layer.key_storage, cache_layer.value_storage
-        device_length = {"length": cache_layer.device_length}
-        scales = static_scales(cache_layer)
-        summaries = cache_layer.recent_block_summaries(gate, num_queries)
-    else:
-        summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype)
     # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference). Selection
     # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)
@@ -233,6 +225,16 @@ def sparse_attention_forward(
             if known.dense:
                 return run_dense(f"{known.reason}; remembered for this length")
             falls_back = False  # remembered sparse: no probe, no density read
+    # Summaries only now: a layer decided dense above computes none (a later call summarises what it needs).
+    device_length = {}
+    if on_device:  # static storage and lengths read on the device (CUDA-graph safe)
+        key, value = cache_layer.key_storage, cache_layer.value_storage
+        device_length = {"length": cache_layer.device_length}
+        scales = static_scales(cache_layer)
+        cache_layer.summarize_full_blocks(gate)  # those a dense prefill left (host lengths: before any capture)
+        summaries = cache_layer.recent_block_summaries(gate, num_queries)
+    else:
+        summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype)
     if falls_back and num_queries >= 4 * PROBE_QUERIES:
         probe_offset = q_offset + num_queries - PROBE_QUERIES
         probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,

@@ -215,6 +215,14 @@ class SparseCacheLayer(CacheLayerMixin):
             self._summarize(gate_weight, row_layout, full_blocks, total_blocks)
         return self.summary_storage[:, :, :total_blocks]
 
+    def summarize_full_blocks(self, gate_weight: torch.Tensor | None) -> None:
+        """Summarise the blocks full in every row that are not yet (or were with another gate): those of a prefill
+        that ran dense, which computes no summaries. Nothing to do, and no launch, when they are up to date."""
+        source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
+        full_blocks = max(0, self.length - self.row_layout.high) // self.block_size
+        if source != self._summary_source or full_blocks > self.summarized_blocks:
+            self.block_summaries(gate_weight, self.row_layout)
+
     def set_padding(self, row_layout: RowLayout | torch.Tensor) -> None:
         """Take the sequence's padding layout (left-padding slots per row: a :class:`RowLayout`, or a tensor whose
         range is then read once), and lay int8 values out for it (blocked when every row starts at one slot on

@@ -343,6 +343,34 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
         assert torch.equal(static, dynamic)
 
 
+@needs_triton
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_static_decode_after_a_dense_prefill(method):
+    """A prefill that runs dense computes no block summaries; the static decode that follows summarises the
+    prefill's blocks itself (also in a cache reset for reuse, whose storage holds another sequence's summaries),
+    with the logits of the dynamic cache's decode."""
+    model = build(tiny_config(layers=3), "plas").to(DEVICE)
+    dense_below = (10_000, 0)  # prefill dense, decode sparse
+    if method == "plas":
+        config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), query_union=16,
+                                      dense_below=dense_below)
+    else:
+        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6,
+                                       dense_below=dense_below)
+    hf_sparse.configure(model, config)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    dynamic = decode_logits(model, SparseCache(model.config, kv_dtype="auto"), ids, mask, 6)
+    static_cache = SparseCache(model.config, max_cache_len=95)
+    other = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
+    decode_logits(model, static_cache, other, mask, 6)  # another sequence's summaries in the storage
+    static_cache.reset()
+    static = decode_logits(model, static_cache, ids, mask, 6)
+    torch.testing.assert_close(static, dynamic, atol=1e-4, rtol=1e-4)
+
+
 def graph_config(method: str, **fields):
     """A small-block PLAS or XAttention config for the CUDA-graph tests."""
     fields = {"dense_below": 0, **fields}
