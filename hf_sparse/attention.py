@@ -231,7 +231,7 @@ def sparse_attention_forward(
         key, value = cache_layer.key_storage, cache_layer.value_storage
         device_length = {"length": cache_layer.device_length}
         scales = static_scales(cache_layer)
-        cache_layer.summarize_full_blocks(gate)  # those a dense prefill left (host lengths: before any capture)
+        cache_layer.summarize_full_blocks(gate, num_queries)  # those a dense prefill left
         summaries = cache_layer.recent_block_summaries(gate, num_queries)
     else:
         summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype)

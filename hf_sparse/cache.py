@@ -215,12 +215,14 @@ class SparseCacheLayer(CacheLayerMixin):
             self._summarize(gate_weight, row_layout, full_blocks, total_blocks)
         return self.summary_storage[:, :, :total_blocks]
 
-    def summarize_full_blocks(self, gate_weight: torch.Tensor | None) -> None:
-        """Summarise the blocks full in every row that are not yet (or were with another gate): those of a prefill
-        that ran dense, which computes no summaries. Nothing to do, and no launch, when they are up to date."""
+    def summarize_full_blocks(self, gate_weight: torch.Tensor | None, recent: int) -> None:
+        """Before :meth:`recent_block_summaries` (which rewrites the blocks holding the last ``recent`` tokens):
+        summarise the earlier blocks that are not yet (or were with another gate), i.e. those of a prefill that ran
+        dense, which computes no summaries. Nothing to do, and no launch, when they are up to date: after the first
+        decode step, so never inside a CUDA-graph capture."""
         source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
-        full_blocks = max(0, self.length - self.row_layout.high) // self.block_size
-        if source != self._summary_source or full_blocks > self.summarized_blocks:
+        earlier = max(0, self.length - recent - self.row_layout.high) // self.block_size
+        if source != self._summary_source or earlier > self.summarized_blocks:
             self.block_summaries(gate_weight, self.row_layout)
 
     def set_padding(self, row_layout: RowLayout | torch.Tensor) -> None:

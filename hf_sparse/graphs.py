@@ -279,9 +279,9 @@ def uninstall(model: torch.nn.Module) -> None:
 def reusable_cache(model: torch.nn.Module, max_cache_len: int, batch: int | None, block_size: int,
                    kv_dtype: str) -> SparseCache | None:
     """The static cache an earlier generate() of ``model`` made, reset, when it fits this call (same batch,
-    block size and K/V dtype; room for ``max_cache_len`` tokens, and not more than twice that plus 8192: a far
-    larger cache would make the short call's decode read a long storage). Else None, and the kept cache and
-    graphs are let go first, so that the new cache does not sit beside the old one."""
+    block size, K/V dtype, and the model's dtype and device; room for ``max_cache_len`` tokens, and at most twice
+    that or 8192 more: a far larger cache would make the short call's decode read a long storage). Else None, and
+    the kept cache and graphs are let go first, so that the new cache does not sit beside the old one."""
     state = _STATES.get(model)
     cache = state.cache if state is not None else None
     if cache is None:
@@ -289,6 +289,7 @@ def reusable_cache(model: torch.nn.Module, max_cache_len: int, batch: int | None
     layer = cache.layers[0] if cache.layers else None
     storage = getattr(layer, "key_storage", None)
     fits = (storage is not None and cache.block_size == block_size and cache.kv_dtype == kv_dtype
+            and layer.dtype == getattr(model, "dtype", None) and layer.device == getattr(model, "device", None)
             and batch is not None and storage.shape[0] == batch
             and max_cache_len <= layer.capacity <= max(2 * max_cache_len, max_cache_len + 8192))
     if not fits:

@@ -59,7 +59,7 @@ _ORIGINAL: dict[str, Any] = {}
 
 #: A static cache generate() makes holds its tokens rounded up to a multiple of this, so that later calls with a
 #: few more new tokens (or a slightly longer prompt) reuse it and its CUDA graphs (graphs.reusable_cache).
-STATIC_CACHE_STEP = 1024
+STATIC_CACHE_STEP = 256
 
 
 try:  # cache_implementation values that make generate() preallocate its cache

@@ -256,7 +256,7 @@ def test_generate_reuses_its_static_cache_while_it_fits():
     kwargs = dict(do_sample=False, pad_token_id=0, cache_implementation="static", return_dict_in_generate=True)
     first = model.generate(ids, max_new_tokens=6, **kwargs)
     cache = first.past_key_values
-    assert cache.layers[0].capacity == 1024  # 66 tokens in steps of integration.STATIC_CACHE_STEP
+    assert cache.layers[0].capacity == 256  # 66 tokens in steps of integration.STATIC_CACHE_STEP
     storage = cache.layers[0].key_storage
     graphs.release(model)
     expected = {n: model.generate(ids[:, :n], max_new_tokens=9, **kwargs).sequences for n in (60, 41)}
@@ -270,6 +270,10 @@ def test_generate_reuses_its_static_cache_while_it_fits():
     kept = graphs._STATES[model].cache
     single = model.generate(ids[:1], max_new_tokens=3, **kwargs).past_key_values  # another batch: a new cache
     assert single is not kept and graphs._STATES[model].cache is single
+    model.to(torch.bfloat16)  # another dtype: a new cache of that dtype
+    wider = model.generate(ids[:1], max_new_tokens=3, **kwargs).past_key_values
+    assert wider is not single and wider.layers[0].key_storage.dtype == torch.bfloat16
+    model.to(torch.float32)
     graphs.release(model)
     assert model not in graphs._STATES
     del storage
