@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .eval import fidelity
+    from .eval import compare_table, fidelity
 
     config = config_from_overrides(args.set, args.method)
     model, tokenizer, device = _load(args.model, args.dtype, args.device)
@@ -123,8 +123,24 @@ def _eval(args: argparse.Namespace) -> int:
         if ids.shape[1] < args.tokens:
             raise SystemExit(f"the input has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
         ids = ids[:, : args.tokens]
-    report = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
-    print(report.table())
+    if not args.gates:
+        report = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
+        print(report.table())
+        return 0
+    if args.method != "plas":
+        raise SystemExit("--gates compares PLAS gate files: use --method plas")
+    from . import configure
+    from .gates import GateFileError, load_gates, set_gates
+
+    configure(model, config)  # the gate file must match this block size
+    try:
+        load_gates(model, args.gates, strict=True)
+    except GateFileError as error:
+        raise SystemExit(f"--gates: {error}") from None
+    gated = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
+    set_gates(model, None)
+    mean = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
+    print(compare_table({"mean pooling": mean, f"gates {args.gates}": gated}))
     return 0
 
 
@@ -144,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tokens", type=int, default=0, help="truncate the input to this many tokens")
     evaluate.add_argument("--last-n", type=int, default=256, help="positions scored for KL / top-1")
     evaluate.add_argument("--no-recall", action="store_true", help="skip the (slow) attention-recall pass")
+    evaluate.add_argument("--gates", metavar="FILE_OR_FOLDER_OR_REPO",
+                          help="PLAS: evaluate with this gate file too and print it beside mean pooling")
     evaluate.set_defaults(run=_eval)
     from .training import add_train_gates_command
 

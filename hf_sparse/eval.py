@@ -68,6 +68,20 @@ class FidelityReport:
         return "\n".join(lines)
 
 
+def compare_table(reports: dict[str, "FidelityReport"]) -> str:
+    """Reports side by side, one column each (``hf-sparse eval --gates``): KL, top-1 agreement, density, recall."""
+    names = list(reports)
+    width = max(12, *(len(name) for name in names))
+    first = reports[names[0]]
+    lines = [f"tokens {first.num_tokens}, positions scored {first.positions}",
+             f"{'':<30}" + "".join(f"{name:>{width + 2}}" for name in names)]
+    for label, value in (("next-token KL(dense||sparse)", lambda r: f"{r.kl:.5f}"),
+                         ("top-1 agreement", lambda r: f"{r.top1_agreement:.4f}"),
+                         ("density", lambda r: f"{r.density:.3f}"), ("recall", lambda r: f"{r.recall:.4f}")):
+        lines.append(f"{label:<30}" + "".join(f"{value(reports[name]):>{width + 2}}" for name in names))
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def _attention(model: Any, implementation: str, config: Any = None) -> Iterator[None]:
     previous_impl = model.config._attn_implementation

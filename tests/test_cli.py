@@ -26,3 +26,29 @@ def test_generate_and_eval_commands(capsys, tmp_path):
     table = capsys.readouterr().out
     assert "top-1 agreement" in table and "recall" in table
     assert "dense: dense_layers" in table
+
+
+def test_eval_compares_a_gate_file_with_mean_pooling(capsys, tmp_path):
+    """`hf-sparse eval --gates FILE` prints mean pooling and the gate file side by side; a bad file is refused with
+    the gate loader's message."""
+    import torch
+
+    from hf_sparse.default_model import load_default_model
+    from hf_sparse.gates import gate_spec, mean_pooling_gates, write_gate_file
+
+    model, _ = load_default_model()
+    generator = torch.Generator().manual_seed(0)
+    gates = {layer: gate * torch.rand(gate.shape, generator=generator) * 2
+             for layer, gate in mean_pooling_gates(model, 32).items()}
+    path = write_gate_file(gates, tmp_path / "gates.safetensors", gate_spec(model, 32))
+    text = tmp_path / "input.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    common = ["eval", "--prompt-file", str(text), "--tokens", "320", "--last-n", "32", "--no-recall",
+              "--set", "block_size=32", "--set", "prefill_top_k=3,4", "--set", "dense_below=0"]
+    assert main(common + ["--gates", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "mean pooling" in table and f"gates {path}" in table
+    kl = next(line for line in table.splitlines() if line.startswith("next-token KL")).split()[-2:]
+    assert len(kl) == 2 and kl[0] != kl[1]  # another selection, another KL
+    with pytest.raises(SystemExit, match="--gates"):
+        main(common + ["--set", "block_size=64", "--gates", str(path)])  # made for block 32
