@@ -123,7 +123,7 @@ def densities(model, ids: torch.Tensor, method: str) -> tuple[float, float]:
 
 def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
     """TTFT and peak against sdpa, TPOT (largest N) against sdpa-static, leading tokens equal to sdpa's."""
-    largest = max(tpot_tokens)
+    largest = max(tpot_tokens, default=0)
     base = {row["method"]: row for row in rows}
     sdpa, static = base.get("sdpa"), base.get("sdpa-static")
     for row in rows:
@@ -138,7 +138,7 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
 
 
 def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: str, repeats: int) -> None:
-    largest, smallest = max(tpot_tokens), min(tpot_tokens)
+    largest, smallest = max(tpot_tokens, default=0), min(tpot_tokens, default=0)
     print(f"\n{header(env)}\n{described}; greedy, medians of {repeats}. TTFT vs sdpa; TPOT vs sdpa-static "
           f"(at {largest} new tokens); peak = max_memory_allocated (weights included) vs sdpa")
     columns = [("length", lambda r: str(r["length"])), ("method", lambda r: r["method"]),
@@ -175,11 +175,12 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     panels = ((axes[0], "ttft_vs_sdpa", "sdpa", "TTFT speed-up vs sdpa"),
               (axes[1], "tpot_vs_sdpa_static", "sdpa-static", f"TPOT speed-up vs sdpa-static ({largest} new tokens)"))
+    colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(row["method"] for row in rows))}
     for ax, key, baseline, label in panels:
-        for method in dict.fromkeys(row["method"] for row in rows):
+        for method, color in colors.items():
             points = [(row["length"], row[key]) for row in rows if row["method"] == method and row.get(key)]
             if method != baseline and points:
-                ax.plot(*zip(*points), marker="o", label=method)
+                ax.plot(*zip(*points), marker="o", label=method, color=color)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label=f"dense ({baseline}) = 1")
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
@@ -203,7 +204,7 @@ def replot(args: argparse.Namespace) -> None:
     for row in rows:  # JSON keys are strings
         for key in ("tpot_ms", "captures_per_call", "replays_per_call"):
             row[key] = {int(n): value for n, value in row.get(key, {}).items()}
-    tpot_tokens = sorted({n for row in rows for n in row["tpot_ms"]})
+    tpot_tokens = max((sorted(row["tpot_ms"]) for row in rows), key=len)
     first = runs[0]
     print_table(rows, tpot_tokens, first["environment"], first["model"], first["arguments"]["repeats"])
     if args.plot:
