@@ -69,8 +69,9 @@ def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, r
 
 
 # -- the attention function ----------------------------------------------------------------------------------
-def check_supported(kwargs: dict[str, Any], key_length: int) -> None:
-    """Raise a clear error for what a model passes that hf_sparse attention does not compute."""
+def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = False) -> None:
+    """Raise a clear error for what a model passes that hf_sparse attention does not compute (sliding-window layers
+    longer than their window too, unless ``windows``: the caller runs them dense inside their window)."""
     if kwargs.get("output_attentions"):
         raise ValueError(
             "hf_sparse attention does not return attention weights: output_attentions=True is unsupported; "
@@ -80,7 +81,7 @@ def check_supported(kwargs: dict[str, Any], key_length: int) -> None:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"hf_sparse attention does not support `{name}` (passed by this model)")
     window = kwargs.get("sliding_window")
-    if window is not None and key_length > window:
+    if window is not None and key_length > window and not windows:
         raise NotImplementedError(
             f"hf_sparse attention does not support sliding-window layers (window {window} < {key_length} tokens)"
         )
@@ -140,7 +141,7 @@ def sparse_attention_forward(
     (on CUDA) for dense selections; block-sparse otherwise."""
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
-    check_supported(kwargs, key_length)
+    check_supported(kwargs, key_length, windows=True)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
     config = method_config(module.config, method)
@@ -155,7 +156,10 @@ def sparse_attention_forward(
     if getattr(cache_layer, "static", False) and cache_layer.row_layout is None:
         # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
         cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
-    on_device = static_decode(method, phase, cache_layer, config, query)
+    # A sliding-window layer attends inside its window, dense, exactly as transformers' sdpa path (on the host's
+    # length: models with such layers decode without CUDA graphs, graphs.window_layers).
+    window = kwargs.get("sliding_window")
+    on_device = window is None and static_decode(method, phase, cache_layer, config, query)
     below = key_length < config.dense_threshold(phase)
     if on_device and (below or config.is_dense_layer(layer_idx, num_layers)):
         # A dense layer, or a short sequence, in a static decode step: every valid block through the decode
@@ -170,7 +174,9 @@ def sparse_attention_forward(
         return output.transpose(1, 2).contiguous(), None
 
     reason = None
-    if config.is_dense_layer(layer_idx, num_layers):
+    if window is not None:
+        reason = f"sliding window of {window} tokens"
+    elif config.is_dense_layer(layer_idx, num_layers):
         reason = "dense_layers"
     elif key_length < config.dense_threshold(phase):
         reason = f"length {key_length} < dense_below {config.dense_threshold(phase)}"

@@ -150,9 +150,9 @@ class PLASConfig(_MethodConfig):
             layer and bucket: no probe, no selection density read back to the host. ``False`` decides on every
             call. ``hf_sparse.density.forget_decisions(model)`` clears what a model remembers.
         decode_cuda_graph: on CUDA with the Triton kernels, ``generate()`` keeps K/V in a static
-            :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``) and replays each
-            decode step from a captured CUDA graph once the sequence is past ``dense_below``
-            (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly.
+            :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``, kept for the next call
+            that fits it) and replays each decode step from a captured CUDA graph, below ``dense_below`` over all
+            blocks (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly.
     """
 
     block_size: int = 128

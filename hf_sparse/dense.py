@@ -11,9 +11,10 @@ from .padding import mask_layout, padding_layout
 
 
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call)."""
+    """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call); a
+    ``sliding_window`` layer gets transformers' sliding-window causal mask over the keys it is given."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
     if (attention_mask is not None and attention_mask.dim() == 2 and (num_queries == 1 or num_queries == key_length)
@@ -23,12 +24,14 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         rows, left_padded = mask_layout(attention_mask, key_length, query.device)
         if left_padded and rows.high == 0:
             attention_mask = None
+    window = kwargs.pop("sliding_window", None)
+    shape = {} if window is None else {"mask_function": sliding_window_causal_mask_function(window),
+                                       "local_size": window}
     if attention_mask is None or attention_mask.dim() == 2:
         attention_mask = sdpa_mask(
             batch_size=batch, q_length=num_queries, kv_length=key_length, q_offset=key_length - num_queries,
-            kv_offset=0, attention_mask=attention_mask, device=query.device,
+            kv_offset=0, attention_mask=attention_mask, device=query.device, **shape,
         )
-    kwargs.pop("sliding_window", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -41,6 +41,16 @@ _ACCEPTED = {"input_ids", "position_ids", "attention_mask", "use_cache", "return
              "cache_position", "output_attentions", "output_hidden_states", *CACHE_KWARGS}
 
 
+def window_layers(config: Any) -> bool:
+    """Whether a transformers model config has sliding-window (or chunked) attention layers: those attend on the
+    host's length (:func:`hf_sparse.attention.sparse_attention_forward`), so its decode is not captured."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return any(kind != "full_attention" for kind in types)
+    return getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False
+
+
 def _cache_of(mapping: Any) -> Any:
     """The cache a forward's keyword arguments (or output) hold, under whichever name this transformers uses."""
     return next((mapping[name] for name in CACHE_KWARGS if name in mapping), None)
@@ -156,7 +166,7 @@ class DecodeGraphs:
         if implementation not in GRAPH_METHODS:
             return None
         config = method_config(model.config, implementation)
-        if not config.decode_cuda_graph or not cache.layers:
+        if not config.decode_cuda_graph or not cache.layers or window_layers(model.config):
             return None
         steps = input_ids.shape[1]
         for layer in cache.layers:

@@ -57,6 +57,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
 
 _ORIGINAL: dict[str, Any] = {}
 
+_WINDOW_NOTED: list[bool] = []
+
 #: A static cache generate() makes holds its tokens rounded up to a multiple of this, so that later calls with a
 #: few more new tokens (or a slightly longer prompt) reuse it and its CUDA graphs (graphs.reusable_cache).
 STATIC_CACHE_STEP = 256
@@ -84,6 +86,12 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
     config = method_config(model.config, implementation)
     device = getattr(model, "device", torch.device("cpu"))
     if not config.decode_cuda_graph or device.type != "cuda":
+        return None
+    if graphs.window_layers(model.config):
+        if not _WINDOW_NOTED:
+            _WINDOW_NOTED.append(True)
+            logger.info("hf_sparse: %s has sliding-window layers (dense inside their window, on the host's length): "
+                        "generate() decodes without CUDA graphs", type(model).__name__)
         return None
     if kernels.backend_for(torch.empty(0, device=device)) != "triton":
         return None
