@@ -58,6 +58,31 @@ class SparseCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    #: Whether ``keys`` / ``values`` trail ``length`` (after :meth:`SparseCache.advance_host_length`: a graph
+    #: replay wrote on the device); refreshed on their next read.
+    _stale_views = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """K over the valid slots ``[B, H, length, D]`` (a view of the storage)."""
+        if self._stale_views:
+            self._views()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """V over the valid slots (a view; int8 blocked values: the blocks holding ``length`` slots)."""
+        if self._stale_views:
+            self._views()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._values = value
 
     def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto",
                  max_cache_len: int | None = None, **kwargs: Any) -> None:
@@ -149,13 +174,14 @@ class SparseCacheLayer(CacheLayerMixin):
         self._views()
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = self.key_storage[:, :, : self.length]
-        self.values = reference.leading_values(self.value_storage, self.length)
+        self._stale_views = False
+        self._keys = self.key_storage[:, :, : self.length]
+        self._values = reference.leading_values(self.value_storage, self.length)
         if self.quantized:
             self.key_scales = self.key_scale_storage[:, :, : self.length]
             self.value_scales = self.value_scale_storage[:, :, : self.length]
-        setattr(self.keys, LAYER_ATTR, self)
-        return self.keys, self.values
+        setattr(self._keys, LAYER_ATTR, self)
+        return self._keys, self._values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy)."""
@@ -369,10 +395,11 @@ class SparseCache(Cache):
         return tuple(getattr(layer, "version", 0) for layer in self.layers)
 
     def advance_host_length(self, tokens: int) -> None:
-        """Count ``tokens`` more on the host side of every layer, after a graph replay wrote them on the device."""
+        """Count ``tokens`` more on the host side of every layer, after a graph replay wrote them on the device
+        (the layers' views are refreshed when next read: a replayed step reads none)."""
         for layer in self.layers:
             layer.length += tokens
-            layer._views()
+            layer._stale_views = True
 
     def memory_per_token(self) -> int:
         """Bytes of K/V storage (values plus int8 scales) per token of one sequence, over all initialised layers."""
