@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.generation import utils as _generation_utils
 
 from . import kernels
@@ -384,7 +384,11 @@ class SparseCache(Cache):
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if num_layers is not None:
-            layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype, max_cache_len) for _ in range(num_layers)]
+            # Sliding-window layers attend densely inside their window (attention.py): a dynamic cache keeps only
+            # that window for them, as transformers' does; a static one keeps every token.
+            windows = layer_windows(config) if max_cache_len is None else [None] * num_layers
+            layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype, max_cache_len) if window is None
+                      else DynamicSlidingWindowLayer(sliding_window=window) for window in windows]
             super().__init__(layers=layers)
         else:
             super().__init__(layer_class_to_replicate=_LayerFactory(block_size, chunk_blocks, kv_dtype, max_cache_len))
@@ -411,6 +415,18 @@ class SparseCache(Cache):
                 if storage is not None:  # every storage holds `capacity` slots per sequence
                     total += storage[0].numel() * storage.element_size() // layer.capacity
         return total
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window in tokens, or None for a full-attention layer, from a transformers
+    config (``layer_types``, else ``sliding_window`` for every layer unless ``use_sliding_window`` is False)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    uses_window = window is not None and getattr(text, "use_sliding_window", True) is not False
+    return [window if uses_window else None] * text.num_hidden_layers
 
 
 class _LayerFactory:

@@ -62,8 +62,12 @@ def test_window_layers_equal_sdpa(arch, method):
                    if kind == "sliding_attention"}
         reasons = rec.dense_layers("prefill")
         assert set(reasons) == windows and all(r == f"sliding window of {WINDOW} tokens" for r in reasons.values())
-        assert torch.equal(sparse.generate(ids, attention_mask=mask, **kwargs),
-                           dense.generate(ids, attention_mask=mask, **kwargs))
+        result = sparse.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(result.sequences, dense.generate(ids, attention_mask=mask, **kwargs))
+        cache = result.past_key_values  # a window layer keeps its window, as transformers' caches do
+        assert isinstance(cache, hf_sparse.SparseCache)
+        kept = [layer.keys.shape[2] for layer in cache.layers]
+        assert all((kept_tokens < WINDOW) == (i in windows) for i, kept_tokens in enumerate(kept)), kept
         hf_sparse.configure(sparse, few)
         assert torch.isfinite(sparse(ids, attention_mask=mask).logits).all()
         assert sparse.generate(ids, attention_mask=mask, **kwargs).shape == (2, 56)
