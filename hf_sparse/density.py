@@ -2,7 +2,6 @@
 cuDNN / flash is faster than the sparse kernel at high density)."""
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -51,20 +50,6 @@ def block_counts(selection: BlockSelection, num_queries: int, q_offset: int,
 def selection_density(selection: BlockSelection, num_queries: int, q_offset: int, rows: RowLayout) -> float:
     """Attended / causal blocks of a selection (one device-to-host read)."""
     attended, causal = torch.stack(block_counts(selection, num_queries, q_offset, rows)).tolist()
-    return attended / max(causal, 1)
-
-
-@functools.lru_cache(maxsize=256)
-def top_k_density_floor(num_queries: int, key_length: int, query_tile: int, block_size: int, top_k: int) -> float:
-    """The least density a selection of at least ``top_k`` blocks per query can have (no padding): each tile of
-    ``query_tile`` queries keeps at least ``min(causal blocks, top_k)`` blocks, the causal blocks counted up to its
-    last query (as :func:`block_counts` counts them)."""
-    q_offset = key_length - num_queries
-    attended = causal = 0
-    for first in range(0, num_queries, query_tile):
-        blocks = (q_offset + min(first + query_tile, num_queries) - 1) // block_size + 1
-        attended += min(blocks, top_k)
-        causal += blocks
     return attended / max(causal, 1)
 
 

@@ -347,7 +347,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
 def test_density_floor_matches_the_sparsest_selection():
     """PLAS's density floor is the density of a selection where every query of a tile keeps the same top_k[0]
     blocks (within the causal ones): counted here by brute force over the tiles."""
-    from hf_sparse.density import top_k_density_floor
+    from hf_sparse.methods.plas import top_k_density_floor
 
     for num_queries, key_length, tile, block, k in [(300, 300, 32, 16, 3), (4096, 4096, 128, 128, 50),
                                                     (100, 700, 16, 16, 5), (16384, 16384, 128, 128, 50)]:

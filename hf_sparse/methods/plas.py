@@ -1,12 +1,27 @@
 """PLAS block selection: threshold top-k over gate-compressed key blocks, united per query tile or GQA group."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import kernels
 from ..config import PLASConfig
-from ..density import top_k_density_floor
 from ..selection import BlockSelection, RowLayout
+
+
+@functools.lru_cache(maxsize=256)
+def top_k_density_floor(num_queries: int, key_length: int, query_tile: int, block_size: int, top_k: int) -> float:
+    """The least density a selection of at least ``top_k`` blocks per query can have (no padding): each tile of
+    ``query_tile`` queries keeps at least ``min(causal blocks, top_k)`` blocks, the causal blocks counted up to its
+    last query (as :func:`hf_sparse.density.block_counts` counts them)."""
+    q_offset = key_length - num_queries
+    attended = causal = 0
+    for first in range(0, num_queries, query_tile):
+        blocks = (q_offset + min(first + query_tile, num_queries) - 1) // block_size + 1
+        attended += min(blocks, top_k)
+        causal += blocks
+    return attended / max(causal, 1)
 
 
 class PLASMethod:
