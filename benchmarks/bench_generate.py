@@ -3,8 +3,11 @@
 
 Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls (each after one
 untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
-* TTFT: wall time of generate(max_new_tokens=1). Its ratio is a speed-up against "sdpa" (sdpa's TTFT / this).
-* TPOT@N: (wall time of generate(max_new_tokens=N) - TTFT) / (N - 1), for each N of --tpot-tokens. So it
+* TTFT: wall time of generate(max_new_tokens=1), median of --ttft-rounds rounds in which each method runs once,
+  in turn, after all are warm: the host's speed drifts by tens of percent over a minute (a short prompt's prefill
+  is bound by the host's launches), and interleaving lets that drift hit every method alike. Its ratio is a
+  speed-up against "sdpa" (sdpa's TTFT / this).
+* TPOT@N: (wall time of generate(max_new_tokens=N) - that method's TTFT in the same stretch) / (N - 1), for each N of --tpot-tokens. So it
   includes each call's first decode step and whatever a call pays once (a CUDA-graph capture): TPOT@16 within a
   few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
   largest N: transformers' cache_implementation="static", with which generate() compiles the decode step, the
@@ -109,6 +112,18 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
     if stats is not None and stats.disabled_reason:
         row["graphs_disabled"] = stats.disabled_reason
     return row
+
+
+@torch.no_grad()
+def interleaved_ttft(model, ids: torch.Tensor, methods: list[str], rounds: int) -> dict[str, float]:
+    """Median TTFT per method over ``rounds`` rounds of one generate(max_new_tokens=1) per method, in turn."""
+    seconds = {method: [] for method in methods}
+    for _ in range(rounds):
+        for method in methods:
+            use_method(model, method)
+            extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
+            seconds[method].append(timed_generate(model, ids, 1, **extra)[0])
+    return {method: statistics.median(values) for method, values in seconds.items()}
 
 
 @torch.no_grad()
@@ -222,6 +237,9 @@ def main() -> None:
     parser.add_argument("--tpot-tokens", "--new-tokens", type=int, nargs="+", default=[16, 256],
                         help="TPOT over each of these numbers of new tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per number (default: %(default)s)")
+    parser.add_argument("--ttft-rounds", type=int, default=5,
+                        help="interleaved rounds of TTFT (0: TTFT from each method's own timed calls; default: "
+                             "%(default)s)")
     parser.add_argument("--ttft-only", nargs="*", default=[], metavar="METHOD",
                         help="methods timed for TTFT and peak only (e.g. sdpa, whose eager decode is no baseline)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per call, each the same prompt (default: 1)")
@@ -267,6 +285,10 @@ def main() -> None:
                 report = fidelity(model, ids, use_method(model, method), last_n=256, with_recall=False)
                 row["kl"], row["top1"] = report.kl, report.top1_agreement
             progress(" ".join(f"{key}={value}" for key, value in row.items() if key not in ("tokens", "config")))
+        if args.ttft_rounds:
+            ttft = interleaved_ttft(model, ids, args.methods, args.ttft_rounds)
+            for row in at_length:
+                row["ttft_alone_s"], row["ttft_s"] = row["ttft_s"], ttft[row["method"]]
         add_ratios(at_length, args.tpot_tokens)
         rows += at_length
     print_table(rows, args.tpot_tokens, env, described, args.repeats)

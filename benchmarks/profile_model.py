@@ -18,6 +18,10 @@ decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--ste
   bytes a step must read from HBM: the K/V of the blocks each layer attends (counted from one recorded step,
   hf_sparse.record_sparsity; dense layers: every token), the block summaries and the weights; each divided by
   ``--bandwidth`` (default 3.35e12 B/s, the H100 SXM's) is a floor, printed beside the span and their ratio.
+memory: per method, the peak of two generate(max_new_tokens=``--new-tokens``) calls over ``--length`` prompt tokens
+  (the first compiles, captures and allocates what later calls reuse), the memory held between calls (weights,
+  kept caches and graphs), and what is held and what is live at the highest point, grouped by the innermost
+  hf_sparse or transformers line that allocated it (torch.cuda.memory._record_memory_history).
 graph: the wall time per decode step (synchronised) of "sdpa" (eager, dynamic cache) and of PLAS / XAttention
   eager (dynamic SparseCache) or from a CUDA graph (static SparseCache); "-int8": an int8 cache. Step 1 of a
   graph variant is its eager warm-up and step 2 the capture and first replay: medians over the later steps,
@@ -135,6 +139,33 @@ def sync_sites(model, ids: torch.Tensor, forward=forward) -> collections.Counter
     return sites
 
 
+def host_profile(model, ids: torch.Tensor, forward, rows: int) -> str:
+    """cProfile of one synchronised call: the ``rows`` functions of most own time, then of most cumulative time
+    (where the host spends what the GPU does not need; a blocking CUDA call shows as the own time of its caller)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    forward(model, ids)
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward(model, ids)
+        torch.cuda.synchronize()
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip()) + "\nhost time by op:\n" + ops
+
+
 @torch.no_grad()
 def prefill(args, loaded) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -157,10 +188,11 @@ def prefill(args, loaded) -> None:
             forward(model, ids)
             torch.cuda.synchronize()
         sites = sync_sites(model, ids, forward)
+        hot = host_profile(model, ids, forward, args.cprofile) if args.cprofile else ""
         row = {"method": method, "wall_ms": statistics.median(walls), "syncs": sum(sites.values())}
         row["gpu_ms"] = timeline(gpu_intervals(prof))["busy_us"] / 1e3
         rows.append(row)
-        details.append((method, kernel_table(prof, 1, args.rows), sites))
+        details.append((method, kernel_table(prof, 1, args.rows), sites, hot))
         progress(json.dumps(row))
     what = "generate(max_new_tokens=1)" if args.generate else "one forward"
     print(f"\n{header(environment())}\n{loaded.description}; {what} of {args.length} tokens, all-ones 2D mask; "
@@ -170,11 +202,108 @@ def prefill(args, loaded) -> None:
                  ("host-bound gap ms", lambda r: f"{r['wall_ms'] - r['gpu_ms']:.1f}"),
                  ("per layer", lambda r: f"{(r['wall_ms'] - r['gpu_ms']) / layers:.2f}"),
                  ("syncs per forward", lambda r: str(r["syncs"]))], rows))
-    for method, kernels, sites in details:
+    for method, kernels, sites, hot in details:
         print(f"\n{method}: GPU time by kernel, one forward\n{kernels}")
         print(f"{method}: synchronising calls by call site")
         for site, count in sites.most_common(args.rows):
             print(f"  {count:>4}  {site}")
+        if hot:
+            print(f"{method}: host time of one call by Python function (cProfile; own time, then cumulative)\n{hot}")
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost hf_sparse or transformers frame of an allocation's stack (else torch's, else any), as
+    ``file:line name``; hf_sparse's wrappers of a whole forward (graphs.py, integration.py) count as transformers'
+    callers, so a model's own activations are named by its modeling line."""
+    def ours(name: str) -> bool:
+        return "/hf_sparse/" in name and not name.endswith(("graphs.py", "integration.py"))
+
+    for test in (lambda n: ours(n) or "/transformers/" in n, lambda n: "/hf_sparse/" in n,
+                 lambda n: "/torch/" in n, lambda n: True):
+        for frame in frames:
+            if test(frame.get("filename", "")):
+                return f"{frame['filename'].split('/')[-1]}:{frame.get('line')} {frame.get('name')}"
+    return "?"
+
+
+def replay(events: list[dict]) -> tuple[dict, int, dict]:
+    """Replay a memory trace: (allocations live at its end, the peak of live bytes, the allocations live then),
+    each allocation ``addr: (bytes, site)``; allocations made before the recording are not in it."""
+    live, total, peak, at_peak = {}, 0, -1, {}
+    for event in events:
+        action, addr = event["action"], event["addr"]
+        if action == "alloc":
+            live[addr] = (event["size"], _site(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr)[0]
+    return live, peak, at_peak
+
+
+def by_site(allocations: dict) -> collections.Counter:
+    sites = collections.Counter()
+    for size, site in allocations.values():
+        sites[site] += size
+    return sites
+
+
+@torch.no_grad()
+def memory(args, loaded) -> None:
+    from hf_sparse import graphs
+
+    model, ids = loaded.model, loaded.prompt(args.length)
+    rows, details = [], []
+    for method in args.methods:
+        graphs.release(model)
+        gc.collect()
+        torch.cuda.empty_cache()
+        use_method(model, method)
+        extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
+
+        def call(tokens: int) -> None:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=0, **extra)
+            gc.collect()
+            torch.cuda.synchronize()
+
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(max_entries=500000)
+        try:
+            call(args.new_tokens)  # the first call: kernel compilation, graph captures, the caches it keeps
+            row = {"method": method, "peak_first": torch.cuda.max_memory_allocated(),
+                   "held": torch.cuda.memory_allocated()}
+            torch.cuda.reset_peak_memory_stats()
+            call(args.new_tokens)
+            row["peak_later"] = torch.cuda.max_memory_allocated()
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        live, _, at_peak = replay(snapshot["device_traces"][torch.cuda.current_device()])
+        rows.append(row)
+        details.append((method, base, by_site(live), by_site(at_peak)))
+        progress(json.dumps(row))
+    mib = lambda value: f"{value / 2**20:.1f}"
+    sdpa = next((r for r in rows if r["method"] == "sdpa"), rows[0])
+    print(f"\n{header(environment())}\n{loaded.description}; generate(max_new_tokens={args.new_tokens}) of "
+          f"{args.length} prompt tokens, twice; MiB (max_memory_allocated); held = memory_allocated after the first "
+          f"call (weights, kept caches and graphs)")
+    print(table([("method", lambda r: r["method"]), ("peak, first call", lambda r: mib(r["peak_first"])),
+                 ("peak, later call", lambda r: mib(r["peak_later"])),
+                 ("later vs sdpa", lambda r: speedup(r["peak_later"] / sdpa["peak_later"])),
+                 ("held between calls", lambda r: mib(r["held"]))], rows))
+    for method, base, held, peak in details:
+        print(f"\n{method}: held after the calls beyond the {mib(base)} MiB before them, MiB, by allocation site")
+        for site, size in held.most_common(args.rows):
+            print(f"  {mib(size):>8}  {site}")
+        print(f"{method}: live at the highest point of both calls beyond those {mib(base)} MiB, MiB, by site")
+        for site, size in peak.most_common(args.rows):
+            print(f"  {mib(size):>8}  {site}")
 
 
 # -- decode ---------------------------------------------------------------------------------------------------
@@ -356,7 +485,7 @@ def graph(args, loaded) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{prefill,decode,graph}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{prefill,decode,memory,graph}")
 
 
     sub = commands.add_parser("prefill", help="wall vs GPU time, GPU time by kernel and host syncs of one prefill",
@@ -371,6 +500,8 @@ def main() -> None:
     sub.add_argument("--generate", action="store_true",
                      help="time generate(max_new_tokens=1) (TTFT: the cache generate() makes, its hooks) instead of a "
                           "forward")
+    sub.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
+                     help="also list the host's time of one call by Python function, ROWS rows (cProfile)")
     sub.set_defaults(run=prefill)
 
     sub = commands.add_parser("decode", help="GPU time by kernel, launch gaps and the bandwidth floor of a decode step",
@@ -386,6 +517,16 @@ def main() -> None:
                      help="HBM bytes per second of the floor (default: %(default)g, H100 SXM; H200: 4.8e12)")
     sub.add_argument("--rows", type=int, default=25, help="kernels listed (default: %(default)s)")
     sub.set_defaults(run=decode)
+
+    sub = commands.add_parser("memory", help="peak memory of generate() and what is live at its peak",
+                              description=command_help("memory"))
+    add_model_arguments(sub, default="smollm2-random")
+    sub.add_argument("--length", type=int, default=4096, help="prompt tokens (default: %(default)s)")
+    sub.add_argument("--new-tokens", type=int, default=256, help="tokens generated (default: %(default)s)")
+    sub.add_argument("--methods", nargs="+", default=["sdpa", "sdpa-static", "plas", "xattn"], type=method_name,
+                     metavar="METHOD", help="sdpa, sdpa-static, plas, xattn and their variants (default: %(default)s)")
+    sub.add_argument("--rows", type=int, default=12, help="allocation sites listed (default: %(default)s)")
+    sub.set_defaults(run=memory)
 
     sub = commands.add_parser("graph", help="per-step wall time of decode, eager vs CUDA graph",
                               description=command_help("graph"))

@@ -71,6 +71,23 @@ def _note_recording() -> None:
                        "outside it")
 
 
+#: The side stream of every warm-up and capture on a device, shared by all models: cuBLAS keeps a workspace per
+#: stream it runs on (32 MiB on Hopper, held for the process's life), so a stream per model or per cache would
+#: hold one such workspace each.
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """hf_sparse's capture stream on ``device`` (made once)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 @dataclass
 class GraphStats:
     """Counts over a model's generate() calls: decode steps replayed, graphs captured, and the reason graphs were
@@ -105,7 +122,6 @@ class DecodeGraphs:
         self.forward: Any = None
         self.previous: Any = None  # the instance attribute `forward` replaced (e.g. accelerate's hook), if any
         self.stats = stats
-        self._stream: torch.cuda.Stream | None = None
         self._forget()
 
     def attach(self, forward: Any, previous: Any) -> None:
@@ -182,11 +198,6 @@ class DecodeGraphs:
         return tensors + others + (implementation, id(config), sparse, cache.layout_version)
 
     # -- capture and replay ------------------------------------------------------------------------------
-    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
-
     def _call_arguments(self, kwargs: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         # The decode path takes padding from the cache, not from the mask, so the mask stays out of the graph.
         call = {name: value for name, value in kwargs.items() if name != "attention_mask"}
@@ -196,7 +207,7 @@ class DecodeGraphs:
     def _on_capture_stream(self, kwargs: dict[str, Any]) -> Any:
         """An eager step on the capture stream: what capture needs then exists (compiled kernels, buffers)."""
         device = kwargs["input_ids"].device
-        stream = self._capture_stream(device)
+        stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             output = self.forward(**self._call_arguments(kwargs, {}))
@@ -209,7 +220,7 @@ class DecodeGraphs:
                   if isinstance(value, torch.Tensor) and name != "attention_mask"}
         lengths = [layer.length for layer in cache.layers]
         graph = torch.cuda.CUDAGraph()
-        stream = self._capture_stream(device)
+        stream = capture_stream(device)
         try:
             with torch.cuda.graph(graph, stream=stream):
                 output = self.forward(**self._call_arguments(kwargs, inputs))

@@ -6,6 +6,7 @@ PyTorch path otherwise), and on CUDA ``generate()`` with CUDA graphs against eag
 """
 from __future__ import annotations
 
+import gc
 import os
 import zlib
 
@@ -454,3 +455,26 @@ def test_generate_with_cuda_graphs_equals_eager(method, dtype, kv_dtype):
     new = slice(ids.shape[1], None)
     assert torch.equal(runs[True][:, new][:, :8], runs[False][:, new][:, :8])
     assert (runs[True][:, new] == runs[False][:, new]).float().mean().item() > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_graph_captures_of_many_models_hold_no_memory_after_release():
+    """Every model captures on one stream per device (cuBLAS keeps a workspace per stream it ran on, for the
+    process's life): a third model's generate() and release leave no more memory held than they found."""
+    config = tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=2)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(5)).cuda()
+    held = []
+    for _ in range(3):
+        model = build(config, "plas").to("cuda", torch.bfloat16)
+        hf_sparse.configure(model, graph_config("plas"))
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+        assert hf_sparse.graphs.stats(model).captures == 1
+        hf_sparse.graphs.release(model)
+        del model
+        gc.collect()
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert held[2] <= held[1] + 2**20, held
+    assert hf_sparse.graphs.capture_stream(ids.device) is hf_sparse.graphs.capture_stream(torch.device("cuda"))
