@@ -153,6 +153,9 @@ class PLASConfig(_MethodConfig):
             :class:`~hf_sparse.SparseCache` (sized for the prompt plus ``max_new_tokens``, kept for the next call
             that fits it) and replays each decode step from a captured CUDA graph, below ``dense_below`` over all
             blocks (:mod:`hf_sparse.graphs`); ``False`` decodes eagerly.
+        decode_compile: the CUDA-graph decode step holds the model's norms and dense MLPs compiled by
+            ``torch.compile`` (fused: fewer, larger kernels per layer; :mod:`hf_sparse.fusion`), compiled once per
+            process at the first decode step; ``False`` captures them as transformers runs them.
     """
 
     block_size: int = 128
@@ -169,6 +172,7 @@ class PLASConfig(_MethodConfig):
     dense_above_density: float | None = 0.75
     density_memory: bool = True
     decode_cuda_graph: bool = True
+    decode_compile: bool = True
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -188,7 +192,7 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
-        _check_flags(self, "decode_cuda_graph", "density_memory")
+        _check_flags(self, "decode_cuda_graph", "decode_compile", "density_memory")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -278,6 +282,7 @@ class XAttnConfig(_MethodConfig):
             leaves no density at which sparse attention would pay, the call runs dense without scoring.
         density_memory: as :class:`PLASConfig`'s.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
+        decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
     """
 
     block_size: int = 128
@@ -298,6 +303,7 @@ class XAttnConfig(_MethodConfig):
     dense_above_density: float | None = 0.75
     density_memory: bool = True
     decode_cuda_graph: bool = True
+    decode_compile: bool = True
     method: str = field(default="xattn", init=False)
 
     #: Default decode ``dense_below``, in blocks (see the field's description).
@@ -326,7 +332,7 @@ class XAttnConfig(_MethodConfig):
                 or not 0.0 <= self.vote_ratio < 1.0:
             raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
         self.vote_ratio = float(self.vote_ratio)
-        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "density_memory")
+        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "decode_compile", "density_memory")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:

@@ -19,6 +19,7 @@ turned off, if they were).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from .attention import DECODE_MAX_QUERY, method_config
+from .fusion import fused_modules
 from .recording import recording
 from .cache import CACHE_KWARGS, SparseCache
 
@@ -204,12 +206,20 @@ class DecodeGraphs:
         call.update(tensors)
         return call
 
+    def _fused(self) -> Any:
+        """The model's norms and MLPs compiled while a step warms up or is captured, if its config asks
+        (``decode_compile``; :mod:`hf_sparse.fusion`)."""
+        model = self._model()
+        implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
+        enabled = implementation in GRAPH_METHODS and method_config(model.config, implementation).decode_compile
+        return fused_modules(model, enabled=enabled) if model is not None else contextlib.nullcontext()
+
     def _on_capture_stream(self, kwargs: dict[str, Any]) -> Any:
         """An eager step on the capture stream: what capture needs then exists (compiled kernels, buffers)."""
         device = kwargs["input_ids"].device
         stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), self._fused():
             output = self.forward(**self._call_arguments(kwargs, {}))
         torch.cuda.current_stream(device).wait_stream(stream)
         return output
@@ -222,7 +232,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         stream = capture_stream(device)
         try:
-            with torch.cuda.graph(graph, stream=stream):
+            with self._fused(), torch.cuda.graph(graph, stream=stream):
                 output = self.forward(**self._call_arguments(kwargs, inputs))
         finally:
             # Capture ran the Python side of a step (host lengths advanced) but no device work: undo it.
