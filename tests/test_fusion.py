@@ -3,6 +3,7 @@ eager modules do, that they are restored, and that a class failing to compile ru
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(fusion, "_COMPILED", {})
     monkeypatch.setattr(fusion, "_compiled_forward", lambda cls: fusion._COMPILED.setdefault(
         cls, torch.compile(cls.forward, backend="eager", dynamic=False, fullgraph=True)))
+    monkeypatch.setattr(fusion, "_compiled_function", lambda key, function: fusion._COMPILED.setdefault(
+        key, torch.compile(function, backend="eager", dynamic=False, fullgraph=True)))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -36,13 +39,18 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
     model = build(tiny_config(layers=2), "plas")
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16))
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    modeling = sys.modules[type(model).__module__]
+    rotary = modeling.apply_rotary_pos_emb
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         with fusion.fused_modules(model) as swapped:
-            assert swapped == 7
+            assert swapped == 7 + 1  # and modeling_llama.apply_rotary_pos_emb
             assert all("forward" in m.__dict__ for m in model.modules() if fusion.fusable(m))
+            assert modeling.apply_rotary_pos_emb is not rotary
             fused = model(input_ids=ids).logits
         assert not any("forward" in m.__dict__ for m in model.modules())
+        assert modeling.apply_rotary_pos_emb is rotary
+        assert ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb") in fusion._COMPILED
         with fusion.fused_modules(model, enabled=False) as swapped:
             assert swapped == 0
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
@@ -57,6 +65,7 @@ def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
 
     monkeypatch.setattr(fusion, "_COMPILED", {})
     monkeypatch.setattr(fusion, "_compiled_forward", lambda cls: fusion._COMPILED.setdefault(cls, failing))
+    monkeypatch.setattr(fusion, "_compiled_function", lambda key, function: None)
     x = torch.randn(1, 3, model.config.hidden_size)
     with caplog.at_level(logging.WARNING, logger="hf_sparse.fusion"), fusion.fused_modules(model):
         out = model.model.norm(x)
