@@ -38,6 +38,11 @@ Studies, each run instead of the tables above:
   blocked values, for rows with no padding, the same padding, and rows starting apart (left padding off the
   block grid), then the call a static cache makes (the whole storage, the valid length read on the device) with
   PLAS's selection and with every block (a dense layer of a CUDA-graph step); batches from ``--decode-batches``.
+* ``--features [LENGTHS]`` (default 32768 131072): the cost of the model features the kernels compute beside
+  the attention, on the prefill's PLAS selection and the decode's (batch ``--decode-batches``' first, CUDA-graph
+  time): the attention alone, with Gemma 2's logit softcapping (``softcap=50``), with GPT-OSS's attention sinks
+  (``sinks``, one logit per query head) and with both, each against the plain kernel, with its error against the
+  PyTorch reference.
 * ``--select-variant NAME=PATH`` (repeatable): A/B of copies of ``hf_sparse/kernels/select_blocks.py`` (e.g.
   ``git show HEAD~1:hf_sparse/kernels/select_blocks.py > old.py``) against the package's own, after checking
   that each gives the same selection; prefill at the ``--prefill`` lengths (plus the current kernel with its
@@ -49,6 +54,7 @@ Commands (on a GPU):
     python benchmarks/bench_attention.py --tune --prefill 131072 --decode 131072
     python benchmarks/bench_attention.py --crossover
     python benchmarks/bench_attention.py --int8-layouts
+    python benchmarks/bench_attention.py --features 32768 131072
     python benchmarks/bench_attention.py --select-variant before=old.py --prefill 32768 131072
 Per-row numbers go to stderr as JSON while it runs; the tables come on stdout; ``--json FILE`` keeps them all.
 """
@@ -337,6 +343,50 @@ def decode_row(length: int, batch: int, grids: dict | None) -> dict:
             "every block us": lambda: 1e3 * graph_ms(lambda: attend(query, key, value, every, kv_start, length - 1))},
             saved_too=("TUNING_INT8",))
     return row
+
+
+def feature_rows(length: int, batch: int) -> list[dict]:
+    """Attention time with each of :data:`FEATURES` against without, prefill (do_bench) and decode (graph)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sinks = torch.randn(Q_HEADS, device="cuda", generator=gen)
+    options = {"plain": {}, "softcap": {"softcap": 50.0}, "sinks": {"sinks": sinks},
+               "both": {"softcap": 50.0, "sinks": sinks}}
+    rows = []
+    for phase in ("prefill", "decode"):
+        num_queries, rows_batch = (length, 1) if phase == "prefill" else (1, batch)
+        query, key, value = structured_qkv(rows_batch, num_queries, length)
+        kv_start = RowLayout.uniform(rows_batch, "cuda")
+        summ = kernels.block_summaries(key, None, kv_start, BLOCK)
+        if phase == "prefill":
+            selection, q_offset, timer = prefill_select(query, summ, kv_start), 0, median_ms
+        else:
+            selection, q_offset, timer = decode_select(query, summ, kv_start, length), length - 1, graph_ms
+        plain_ms = None
+        for name, extra in options.items():
+            call = (lambda extra=extra: attend(query, key, value, selection, kv_start, q_offset, **extra))
+            got, _ = call()
+            if phase == "decode" or length <= 32768:  # the reference's memory grows with the selection
+                expected, _ = ref.sparse_attention(query, key, value, selection, scale=HEAD_DIM ** -0.5,
+                                                   q_offset=q_offset, kv_start=kv_start, **extra)
+                error = relative_error(got, expected)
+            else:
+                error = None
+            ms = timer(call)
+            plain_ms = plain_ms or ms
+            rows.append({"phase": phase, "length": length, "batch": rows_batch, "feature": name, "ms": ms,
+                         "vs_plain": ms / plain_ms, "rel_error": error})
+            progress(json.dumps(rows[-1]))
+    return rows
+
+
+def print_features(rows: list[dict]) -> None:
+    print(f"\nModel features in the attention kernels ({Q_HEADS} q / {KV_HEADS} KV heads, d {HEAD_DIM}, bf16, "
+          "block 128, PLAS selections; prefill: do_bench median, decode: CUDA-graph replays; softcap 50, sinks: "
+          "one random logit per query head; time vs the plain kernel; error vs the PyTorch reference)")
+    print(table([("phase", lambda r: r["phase"]), ("length", lambda r: str(r["length"])),
+                 ("batch", lambda r: str(r["batch"])), ("feature", lambda r: r["feature"]),
+                 ("ms" , lambda r: f"{r['ms']:.3f}"), ("vs plain", lambda r: f"{r['vs_plain']:.3f}"),
+                 ("rel error", lambda r: "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}")], rows))
 
 
 def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> None:
@@ -645,6 +695,8 @@ def main() -> None:
                         default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], help="(default: %(default)s)")
     parser.add_argument("--int8-layouts", type=int, nargs="*", metavar="LENGTH",
                         help="study: int8 decode by value layout and call (no value: 131072)")
+    parser.add_argument("--features", type=int, nargs="*", metavar="LENGTH",
+                        help="study: softcap and attention sinks against the plain kernels (no value: 32768 131072)")
     parser.add_argument("--select-variant", action="append", default=[], metavar="NAME=PATH",
                         help="study: A/B of this copy of hf_sparse/kernels/select_blocks.py against the package's")
     parser.add_argument("--select-rounds", type=int, default=3, help="rounds of --select-variant (default: 3)")
@@ -655,7 +707,11 @@ def main() -> None:
     env = environment()
     results = {"environment": env, "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                              "block": BLOCK, "dtype": "bfloat16"}}
-    studies = args.crossover is not None or args.int8_layouts is not None or args.select_variant
+    studies = (args.crossover is not None or args.int8_layouts is not None or args.select_variant
+               or args.features is not None)
+    if args.features is not None:
+        results["features"] = [row for length in args.features or [32768, 131072]
+                                for row in fresh(feature_rows(length, args.decode_batches[0]))]
     if args.crossover is not None:
         results["crossover"] = [
             fresh(crossover_row(shape, length, args.crossover_densities))
@@ -693,6 +749,8 @@ def main() -> None:
         print_int8_layouts(results["int8_layouts"])
     if "select_variants" in results:
         print_select_variants(results["select_variants"])
+    if "features" in results:
+        print_features(results["features"])
     if args.json:
         write_json(args.json, results)
 

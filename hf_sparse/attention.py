@@ -69,22 +69,40 @@ def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, r
 
 
 # -- the attention function ----------------------------------------------------------------------------------
-def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = False) -> None:
-    """Raise a clear error for what a model passes that hf_sparse attention does not compute (sliding-window layers
-    longer than their window too, unless ``windows``: the caller runs them dense inside their window)."""
+#: What models pass through the attention interface that only some implementations compute, by argument name.
+FEATURES = {"softcap": "attention logit softcapping", "s_aux": "attention sinks", "position_bias": "a position bias"}
+#: The FEATURES the "plas" and "xattn" attention compute (Gemma 2's softcapping, GPT-OSS's sinks).
+SPARSE_FEATURES = ("softcap", "s_aux")
+
+
+def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = False,
+                    computed: tuple[str, ...] = (), implementation: str = "hf_sparse") -> None:
+    """Raise a clear error for what a model passes that ``implementation`` does not compute: arguments of
+    :data:`FEATURES` not in ``computed``, and sliding-window layers longer than their window unless ``windows``
+    (the caller runs them dense inside their window)."""
     if kwargs.get("output_attentions"):
         raise ValueError(
             "hf_sparse attention does not return attention weights: output_attentions=True is unsupported; "
             "load the model with attn_implementation='eager' to inspect attention"
         )
-    for name in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"hf_sparse attention does not support `{name}` (passed by this model)")
+    for name, feature in FEATURES.items():
+        if name not in computed and kwargs.get(name) is not None:
+            others = "; attn_implementation='plas' and 'xattn' compute it" if name in SPARSE_FEATURES else ""
+            raise NotImplementedError(f"{implementation} attention does not support `{name}` ({feature}), which this "
+                                      f"model passes{others}")
     window = kwargs.get("sliding_window")
     if window is not None and key_length > window and not windows:
         raise NotImplementedError(
             f"hf_sparse attention does not support sliding-window layers (window {window} < {key_length} tokens)"
         )
+
+
+def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
+    """The kernels' ``softcap`` and ``sinks`` arguments from what the model passed (``softcap``; ``s_aux``, one
+    logit per query head), validated; empty when the model passes neither."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    kernels.reference.check_softcap_and_sinks(softcap, sinks, query)
+    return {name: value for name, value in (("softcap", softcap), ("sinks", sinks)) if value is not None}
 
 
 def static_decode(method: str, phase: str, cache_layer: Any, config: Any, query: torch.Tensor) -> bool:
@@ -138,12 +156,18 @@ def sparse_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Block-sparse attention with ``method``'s selection: dense below ``dense_below``, on ``dense_layers`` and
-    (on CUDA) for dense selections; block-sparse otherwise."""
+    (on CUDA) for dense selections; block-sparse otherwise.
+
+    Gemma 2's ``softcap`` and GPT-OSS's sinks (``s_aux``) are computed as transformers' eager attention computes
+    them: the dense path is eager's math (:func:`~hf_sparse.dense.eager_attention`); the sparse kernels cap the
+    scaled scores and rescale the output by the sinks (``kernels.reference.sparse_attention``); the selection
+    sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
-    check_supported(kwargs, key_length, windows=True)
+    check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
+    extras = softcap_and_sinks(kwargs, query)  # softcap / sinks for the kernels
     config = method_config(module.config, method)
     layer_idx = getattr(module, "layer_idx", 0)
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
@@ -170,7 +194,7 @@ def sparse_attention_forward(
         output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
                                              scale=scale, q_offset=0, kv_start=cache_layer.row_layout,
                                              logn_base=logn_base, length=cache_layer.device_length,
-                                             **static_scales(cache_layer))
+                                             **static_scales(cache_layer), **extras)
         return output.transpose(1, 2).contiguous(), None
 
     reason = None
@@ -217,7 +241,8 @@ def sparse_attention_forward(
     # Blocks and query tiles are counted per row from its first valid slot (see kernels.reference). Selection
     # sees the unscaled queries: logN scales each query's logits by one positive factor, which keeps their order.
     policy = METHODS[method](config)
-    select = policy.select_decode if phase == "decode" else policy.select_prefill
+    select = functools.partial(policy.select_decode if phase == "decode" else policy.select_prefill,
+                               softcap=extras.get("softcap"))
     falls_back = phase == "prefill" and config.dense_above_density is not None and falls_back_by_density(query)
     if falls_back:
         share = policy.selection_share(num_queries, head_dim)
@@ -264,7 +289,7 @@ def sparse_attention_forward(
         if dense:
             return run_dense(reason)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=rows,
-                                         logn_base=logn_base, **scales, **device_length)
+                                         logn_base=logn_base, **scales, **device_length, **extras)
     if recording():
         attended, causal = block_counts(selection, num_queries, q_offset, rows)
         record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, rows.starts)))

@@ -1,5 +1,6 @@
 """The dense path: exactly what ``attn_implementation="sdpa"`` computes (short inputs, dense layers, dense
-selections), plus what the dense path needs of hf_sparse's features (int8 K/V, logN scaling)."""
+selections), or what ``"eager"`` computes for models that pass softcapping or attention sinks, plus what the dense
+path needs of hf_sparse's features (int8 K/V, logN scaling)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,13 +13,19 @@ from .padding import mask_layout, padding_layout
 
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call); a
-    ``sliding_window`` layer gets transformers' sliding-window causal mask over the keys it is given."""
+    ``sliding_window`` layer gets transformers' sliding-window causal mask over the keys it is given.
+
+    A model that passes ``softcap`` (Gemma 2) or ``s_aux`` (GPT-OSS's sinks) gets :func:`eager_attention` with
+    transformers' eager mask: sdpa cannot compute either (transformers' sdpa raises on ``softcap`` and ignores
+    ``s_aux``), and those models run eager attention by default."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
+    eager = softcap is not None or sinks is not None
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
-    if (attention_mask is not None and attention_mask.dim() == 2 and (num_queries == 1 or num_queries == key_length)
-            and not torch.compiler.is_compiling()):
+    if (not eager and attention_mask is not None and attention_mask.dim() == 2
+            and (num_queries == 1 or num_queries == key_length) and not torch.compiler.is_compiling()):
         # sdpa_mask would return None (sdpa's is_causal) for a mask without padding here; the memoised layout
         # answers that without a host read per layer.
         rows, left_padded = mask_layout(attention_mask, key_length, query.device)
@@ -30,9 +37,44 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if attention_mask is None or attention_mask.dim() == 2:
         attention_mask = sdpa_mask(
             batch_size=batch, q_length=num_queries, kv_length=key_length, q_offset=key_length - num_queries,
-            kv_offset=0, attention_mask=attention_mask, device=query.device, **shape,
+            kv_offset=0, attention_mask=attention_mask, device=query.device, allow_is_causal_skip=not eager, **shape,
         )
+    if eager:
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            # transformers' eager mask: 0 where attended, the dtype's minimum elsewhere
+            attention_mask = torch.where(attention_mask, torch.zeros((), device=query.device, dtype=query.dtype),
+                                         torch.finfo(query.dtype).min)
+        return eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               softcap=softcap, sinks=sinks)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    """transformers' eager attention, op for op: Gemma 2's softcapping (``models/gemma2``: the scaled scores
+    capped, ``tanh(s / softcap) * softcap``, before the additive mask; softmax in float32) and GPT-OSS's sinks
+    (``models/gpt_oss``: a column of the sink logits appended to the masked scores, the row maximum subtracted,
+    softmax in the scores' dtype, the sink column dropped). Returns ``(output [B, Sq, Hq, Dv], None)``."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    group = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, group), repeat_kv(value, group)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    if sinks is None:
+        probs = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], -1)
+        combined = torch.cat([weights, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def dequantized_kv(key: torch.Tensor, value: torch.Tensor, cache_layer: Any,

@@ -98,7 +98,7 @@ def star_attention_forward(
     """
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
-    check_supported(kwargs, key_length)
+    check_supported(kwargs, key_length, implementation="star")  # softcap, s_aux, windows: refused by name
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
     cache_layer = getattr(key, LAYER_ATTR, None) if key.dtype == torch.int8 else None

@@ -481,6 +481,83 @@ def test_sparse_attention_features(size, op, num_queries, splits, logn, skip_row
         assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]
 
 
+# -- sparse attention: softcapping (Gemma 2) and attention sinks (GPT-OSS) ---------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op, num_queries, splits", [("sparse_prefill", None, None), ("sparse_prefill", "chunk", None),
+                                                     ("sparse_decode", 1, None), ("sparse_decode", 3, 2),
+                                                     ("sparse_decode", 1, 1)])
+@pytest.mark.parametrize("softcap, sinks, others", [(50.0, False, False), (5.0, False, False), (None, True, False),
+                                                    (5.0, True, True)],
+                         ids=["softcap50", "softcap5", "sinks", "softcap5-sinks-logn-skip-int8-alibi"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], (3, 8, 1, 64, 80, "fp32")])
+def test_softcap_and_sinks(size, op, num_queries, splits, softcap, sinks, others, shape):
+    """Scores capped in the inner loop (``softcap * tanh(s / softcap)`` of the natural-log score), outputs rescaled
+    by one sink logit per query head (after the split decode's merge): the reference's result, alone and with
+    logN, skipped rows, int8 K/V and ALiBi; with cap 5 and with sinks the result really differs from plain
+    attention."""
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed("softcap-sinks", op, num_queries, splits, softcap, sinks, others, shape))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    num_queries = {None: length, "chunk": d["chunk"]}.get(num_queries, num_queries)
+    q_offset = length - num_queries
+    decode = op == "sparse_decode"
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen) * 3  # scores of several units: the cap bites
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, "bnsd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tile = num_queries if decode else d["tile"]
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, tile, gen,
+                                 density=0.4)
+    extra = {"softcap": softcap}
+    skip = None
+    if others:
+        (key, key_scale), (value, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        skip = torch.tensor([i % 2 == 1 for i in range(batch)], device=DEVICE)
+        extra.update(key_scale=key_scale, value_scale=value_scale, logn_base=16 if size == "small" else 1024,
+                     alibi_slopes=(2.0 ** (-8.0 * torch.arange(1, q_heads + 1) / q_heads)).to(DEVICE))
+    scale = dim ** -0.5
+    if sinks:  # logits about each head's median log-sum-exp over the keys, so that the sinks take a real share
+        _, plain_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                            kv_start=kv_start, **extra)
+        median = plain_lse.masked_fill(~torch.isfinite(plain_lse), float("nan")).transpose(0, 1).flatten(1).nanmedian(1)
+        extra["sinks"] = median.values.nan_to_num(0.0) + torch.randn(q_heads, generator=gen).to(DEVICE)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                      kv_start=kv_start, **extra)
+    out = torch.full((batch, q_heads, num_queries, dim_v), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((batch, q_heads, num_queries), float("nan"), device=DEVICE)
+    getattr(OPS[op], op)(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=kv_start, skip=skip,
+                         out=out, lse=lse, **extra, **({"splits": splits} if decode else {}))
+    run = ~skip if skip is not None else torch.ones(batch, dtype=torch.bool, device=DEVICE)
+    assert torch.isnan(out[~run]).all() and torch.isnan(lse[~run]).all(), "a skipped row was written"
+    assert_attention_close(out[run], lse[run], expected_out[run], expected_lse[run], dtype)
+    for name in ("softcap", "sinks"):
+        if name == "sinks" and sinks or name == "softcap" and softcap == 5.0:  # the feature really changed the result
+            plain, plain_lse = ref.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
+                                                    kv_start=kv_start, **{**extra, name: None})
+            assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]
+            if name == "sinks":  # the lse stays that of the real keys
+                torch.testing.assert_close(plain_lse, expected_lse, rtol=0, atol=0)
+
+
+def test_softcap_and_sinks_errors():
+    """A softcap that is not a positive number and sinks that are not one float per query head get a clear error,
+    in the kernels and the reference."""
+    query, key, value = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    selection = BlockSelection(torch.zeros(1, 2, 1, 3, dtype=torch.int32), torch.ones(1, 2, 1, dtype=torch.int32),
+                               16, 1)
+    args = dict(scale=0.25, q_offset=39, kv_start=torch.zeros(1, dtype=torch.int64))
+    for op in (ref.sparse_attention, OPS["sparse_decode"].sparse_decode, OPS["sparse_prefill"].sparse_prefill):
+        for softcap in (0.0, -1.0, float("inf"), True):
+            with pytest.raises(ValueError, match="softcap"):
+                op(query, key, value, selection, softcap=softcap, **args)
+        for sinks in (torch.zeros(2), torch.zeros(1, 4), torch.zeros(4, dtype=torch.int64)):
+            with pytest.raises(ValueError, match="sinks"):
+                op(query, key, value, selection, sinks=sinks, **args)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("op, num_queries", [("sparse_prefill", None), ("sparse_decode", 1), ("sparse_decode", 3)])
 @pytest.mark.parametrize("padding", ["none", "shared", "rows"])

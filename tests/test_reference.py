@@ -255,3 +255,58 @@ def test_row_layout_carries_its_range_and_plain_tensors_are_read():
         RowLayout(torch.zeros(2, 2, dtype=torch.long), 0, 0)
     with pytest.raises(ValueError, match="low <= high"):
         RowLayout(torch.tensor([1, 2]), 2, 1)
+
+
+@pytest.mark.parametrize("softcap, sinks", [(5.0, False), (None, True), (2.0, True)])
+@pytest.mark.parametrize("q_offset", [0, 60])
+def test_softcap_and_sinks_equal_dense(softcap, sinks, q_offset):
+    """Gemma 2's softcapping and GPT-OSS's sinks at full selection: a plain dense computation (float64) that caps
+    the scaled scores before the mask and appends each head's sink logit as a column whose probability is
+    dropped, as transformers' eager attention does."""
+    torch.manual_seed(11)
+    batch, q_heads, kv_heads, length, block = 3, 6, 2, 130, 16
+    q = torch.randn(batch, q_heads, length - q_offset, 32) * 3
+    k, v = torch.randn(batch, kv_heads, length, 32), torch.randn(batch, kv_heads, length, 24)
+    kv_start = torch.tensor([0, 9, 30])
+    sink_logits = torch.randn(q_heads) + 3.0 if sinks else None
+    summaries = ref.block_summaries(k, None, kv_start, block)
+    selection = ref.select_blocks(q, summaries, scale=32 ** -0.5, q_offset=q_offset, kv_start=kv_start,
+                                  block_size=block, top_k=(1000, 1000), query_tile=32, head_union=False)
+    out, lse = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=q_offset, kv_start=kv_start,
+                                    softcap=softcap, sinks=sink_logits)
+    group = q_heads // kv_heads
+    keys, values = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    slots, q_slot = torch.arange(length), q_offset + torch.arange(q.shape[2])
+    visible = (slots[None, :] <= q_slot[:, None])[None] & (slots[None, None, :] >= kv_start[:, None, None])
+    scores = q.double() @ keys.transpose(-1, -2) * 32 ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    expected_lse = torch.logsumexp(scores, -1)
+    if sinks:
+        column = sink_logits.double()[None, :, None, None].expand(batch, -1, q.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows that see no key: zeros
+    expected = probs @ values
+    valid = (q_slot[None, :] >= kv_start[:, None])[:, None, :]
+    torch.testing.assert_close(out.double() * valid[..., None], expected * valid[..., None], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double()[valid.expand_as(lse)], expected_lse[valid.expand_as(lse)], atol=1e-5,
+                               rtol=1e-5)  # the lse of the real keys, without the sink
+    assert (out[~valid.expand_as(lse)] == 0).all() and torch.isinf(lse[~valid.expand_as(lse)]).all()
+    plain, _ = ref.sparse_attention(q, k, v, selection, scale=32 ** -0.5, q_offset=q_offset, kv_start=kv_start)
+    assert not torch.allclose(out * valid[..., None], plain * valid[..., None], atol=1e-2)  # the features did something
+
+
+def test_softcap_and_sinks_errors():
+    q, k = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16)
+    selection = ref.select_blocks(q, ref.block_summaries(k, None, torch.zeros(1, dtype=torch.long), 16), scale=0.25,
+                                  q_offset=0, kv_start=torch.zeros(1, dtype=torch.long), block_size=16, top_k=(2, 2),
+                                  query_tile=16, head_union=False)
+    args = dict(scale=0.25, q_offset=0, kv_start=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="softcap .* positive finite number, got 0"):
+        ref.sparse_attention(q, k, k, selection, softcap=0, **args)
+    with pytest.raises(ValueError, match=r"sinks .* \[q_heads=4\] .* got torch.float32 \(2,\)"):
+        ref.sparse_attention(q, k, k, selection, sinks=torch.zeros(2), **args)
+    with pytest.raises(ValueError, match="softcap"):
+        ref.antidiagonal_block_scores(q, k, softcap=-1.0, block_size=16, stride=4, **args)

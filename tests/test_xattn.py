@@ -137,6 +137,42 @@ def test_stride_one_gives_the_exact_attention_mass_per_block():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [1.0, 4.0])
+def test_softcap_gives_the_capped_attention_mass_per_block(softcap):
+    """With Gemma 2's softcapping the masses are those of the capped attention: stride 1 against the capped causal
+    softmax (prefill), the decode block scores against the softmax of the capped summary logits."""
+    torch.manual_seed(3)
+    query, key = torch.randn(1, 2, 64, 8) * 2, torch.randn(1, 2, 64, 8)
+    got = ref.antidiagonal_block_scores(query, key, scale=0.35, q_offset=0, kv_start=torch.tensor([0]),
+                                        block_size=16, stride=1, softcap=softcap)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    logits = softcap * torch.tanh(query @ key.transpose(-1, -2) * 0.35 / softcap)
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+    torch.testing.assert_close(got, probs.view(1, 2, 4, 16, 4, 16).sum(5).sum(3), atol=1e-5, rtol=1e-5)
+    summaries = ref.block_summaries(key, None, torch.tensor([0]), 16)
+    available = ref.block_availability(1, 4, 63, torch.tensor([0]), 16, 64)
+    got = ref.block_scores(query[:, :, -1:], summaries, 0.35, available, softcap=softcap)
+    expected = torch.softmax(softcap * torch.tanh(query[:, :, -1:] @ summaries.transpose(-1, -2) * 0.35 / softcap), -1)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_softcap_flattens_the_masses_so_the_threshold_keeps_more_blocks():
+    """A cap keeps each query's ranking of blocks but flattens their masses, so the mass threshold keeps more
+    blocks: in decode (per query head, then united) a superset of those kept without the cap; in prefill, where
+    a block's mass sums many query groups' probabilities, more blocks in all."""
+    torch.manual_seed(4)
+    query, key = torch.randn(1, 4, 160, 16) * 3, torch.randn(1, 2, 160, 16)
+    kv_start = torch.tensor([0])
+    method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6))
+    summaries = ref.block_summaries(key, None, kv_start, 16)
+    args = dict(scale=0.25, q_offset=0, kv_start=kv_start)
+    for select, q, offset in ((method.select_prefill, query, 0), (method.select_decode, query[:, :, -1:], 159)):
+        plain = select(q, summaries, key, **{**args, "q_offset": offset}).to_mask(10)
+        capped = select(q, summaries, key, **{**args, "q_offset": offset}, softcap=1.0).to_mask(10)
+        assert capped.sum() > plain.sum()
+        assert offset == 0 or (capped | ~plain).all()
+
+
 # -- threshold selection ------------------------------------------------------------------------------------
 def test_cumulative_threshold_select_is_the_smallest_set_reaching_the_threshold():
     torch.manual_seed(3)

@@ -68,6 +68,35 @@ def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_off
     torch.testing.assert_close(part, expected[:, :, 2:4], atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, stride, q_offset, dtype", [
+    (4, 2, 16, 4, 0, torch.float32),
+    (4, 1, 32, 2, 10, torch.bfloat16),
+])
+@pytest.mark.parametrize("rows, columns, split_steps", [(64, 128, 8), (16, 16, 1)])
+@pytest.mark.parametrize("softcap", [2.0, 30.0])
+def test_softcapped_scores_match_reference(q_heads, kv_heads, head_dim, stride, q_offset, dtype, rows, columns,
+                                           split_steps, softcap, monkeypatch):
+    """Gemma 2's softcapping: the scaled antidiagonal scores capped before the softmax (in the kernel's base 2),
+    as the reference caps them; a small cap really changes the masses."""
+    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
+    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
+    generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset + int(softcap))
+    length = 83
+    query = (torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator) * 3).to(DEVICE, dtype)
+    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
+                  block_size=16, stride=stride)
+    expected = ref.antidiagonal_block_scores(query, key, softcap=softcap, **kwargs)
+    out = xattn_scores.antidiagonal_block_scores(query, key, softcap=softcap, **kwargs)
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+    if softcap == 2.0:
+        plain = ref.antidiagonal_block_scores(query, key, **kwargs)
+        assert (plain - expected).abs().max() > 20 * ATOL[dtype]
+    with pytest.raises(ValueError, match="softcap"):
+        xattn_scores.antidiagonal_block_scores(query, key, softcap=0.0, **kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

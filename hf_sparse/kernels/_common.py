@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..selection import BlockSelection, RowLayout, row_starts
+from .reference import check_softcap_and_sinks
 
 
 def interpreting() -> bool:
@@ -212,6 +213,19 @@ def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.
         raise ValueError(f"alibi_slopes must be [q_heads={query.shape[1]}] on {query.device}, got "
                          f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
     return alibi_slopes.float().contiguous()
+
+
+def softcap_sink_args(softcap: float | None, sinks: torch.Tensor | None,
+                      query: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The kernels' softcap and sink arguments: ``softcap`` times log2(e) (the kernels' scores are in base 2,
+    where ``c * tanh(s / c)`` of a natural-log score ``s`` is ``c' * tanh(s' / c')`` with ``s' = s * log2(e)``
+    and ``c' = c * log2(e)``; 0 when off) and the sink logits as float32 ``[Hq]`` (without sinks the device's
+    never-read place holder: no allocation per call)."""
+    check_softcap_and_sinks(softcap, sinks, query)
+    softcap_log2 = 0.0 if softcap is None else float(softcap) * math.log2(math.e)
+    if sinks is None:
+        return softcap_log2, _placeholder(query.device)
+    return softcap_log2, sinks.float().contiguous()
 
 
 def value_args(value: torch.Tensor) -> tuple[tuple[int, ...], int]:

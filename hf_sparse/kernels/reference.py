@@ -13,7 +13,11 @@ Conventions shared with the Triton ops:
   * ``kv_start`` is a :class:`~hf_sparse.selection.RowLayout` (the starts with their range known on the host,
     as the cache passes it down) or a plain ``[B]`` tensor, whose range is then read where it is needed;
   * scores, softmax and accumulation are float32; a query that sees no valid key (padding) outputs
-    zeros and log-sum-exp ``-inf``.
+    zeros and log-sum-exp ``-inf``;
+  * ``softcap`` (Gemma 2's attention logit softcapping) maps each scaled score ``s`` to
+    ``softcap * tanh(s / softcap)`` before masking and softmax (:func:`soft_cap`); ``sinks`` (GPT-OSS's ``s_aux``,
+    one logit per query head) is an extra key of that logit and a zero value, counted in the softmax denominator
+    only (:func:`attention_sinks`).
 """
 from __future__ import annotations
 
@@ -53,6 +57,37 @@ def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor | Ro
         return 1
     fewest_padding = min(max(kv_start_range(kv_start)[0] - q_offset, 0), num_queries)
     return max(1, _ceil_div(num_queries - fewest_padding, query_tile))
+
+
+def check_softcap_and_sinks(softcap: float | None, sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Raise a clear error unless ``softcap`` is None or a positive finite number and ``sinks`` is None or a
+    floating-point ``[Hq]`` tensor on the query's device."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0.0 < float(softcap) < math.inf):
+        raise ValueError(f"softcap (attention logit softcapping) must be a positive finite number, got {softcap!r}")
+    if sinks is not None:
+        q_heads = query.shape[1]
+        if (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,) or not sinks.is_floating_point()
+                or sinks.device != query.device):
+            got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor)
+                   else type(sinks).__name__)
+            raise ValueError(f"sinks (attention sink logits, s_aux) must be a floating-point [q_heads={q_heads}] "
+                             f"tensor on {query.device}, got {got}")
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)``: Gemma 2's attention logit softcapping, applied to the scaled scores
+    (natural-log units) before masking, as transformers' eager attention applies it."""
+    return torch.tanh(scores / softcap) * softcap
+
+
+def attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The output of attention with a sink per query head (GPT-OSS's ``s_aux``): an extra key whose logit is
+    ``sinks[h]`` and whose value is zero, so only the softmax denominator grows. From the output ``[B, Hq, Sq, Dv]``
+    without the sink and its log-sum-exp ``lse`` ``[B, Hq, Sq]`` (over every key of the query, after any merge of
+    partial results): ``out * sigmoid(lse - sinks[h])``, in float32; a query that saw no key stays zero."""
+    factor = torch.sigmoid(lse.float() - sinks.float().to(lse.device)[None, :, None])
+    return (out.float() * factor[..., None]).to(out.dtype)
 
 
 def block_summaries(
@@ -103,15 +138,19 @@ def block_scores(
     scale: float,
     available: torch.Tensor,
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``softmax_j(q . Kc_j * scale + bias)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0
-    elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape."""
+    elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape. ``softcap`` caps the scaled logits
+    (:func:`soft_cap`) before the bias, as the attention caps its scores."""
     batch, q_heads, num_queries, dim = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
     # The query heads of a KV group as rows of one product with the group's summaries (no copy of them per head).
     grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * num_queries, dim)
     logits = torch.matmul(grouped, summaries.float().transpose(-1, -2)).view(batch, q_heads, num_queries, num_blocks)
     logits = logits * scale
+    if softcap is not None:
+        logits = soft_cap(logits, softcap)
     if bias is not None:
         logits = logits + bias
     logits = logits.masked_fill(~available[:, None], float("-inf"))
@@ -220,6 +259,8 @@ def sparse_attention(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,11 +281,18 @@ def sparse_attention(
 
     ``alibi_slopes`` (float32 ``[Hq]``) adds the ALiBi bias ``slope[h] * (key slot - query slot)`` (<= 0 on
     visible keys) to the scaled scores of head ``h``.
+
+    ``softcap`` (Gemma 2) caps the scaled (and logN-scaled) scores, ``softcap * tanh(score / softcap)``, before
+    the bias and the mask, as transformers' eager attention does. ``sinks`` (``[Hq]``, GPT-OSS's ``s_aux``) adds
+    one zero-valued key of logit ``sinks[h]`` to each query's softmax (:func:`attention_sinks`); the returned lse
+    stays that of the real keys, without the sink.
     """
+    check_softcap_and_sinks(softcap, sinks, query)
     if skip is not None:
         return _sparse_attention_rows(query, key, value, selection, scale=scale, q_offset=q_offset,
                                       kv_start=kv_start, logn_base=logn_base, skip=skip, out=out, lse=lse,
-                                      key_scale=key_scale, value_scale=value_scale, alibi_slopes=alibi_slopes)
+                                      key_scale=key_scale, value_scale=value_scale, alibi_slopes=alibi_slopes,
+                                      softcap=softcap, sinks=sinks)
     if (key.dtype == torch.int8) != (key_scale is not None) or (value.dtype == torch.int8) != (value_scale is not None):
         raise ValueError("int8 key/value need key_scale/value_scale (and scales only go with int8 key/value)")
     value = token_values(value, key.shape[2])
@@ -286,6 +334,8 @@ def sparse_attention(
         scores = torch.matmul(q_tile, keys_sel.transpose(-1, -2)) * scale
         if logn_base is not None:
             scores = scores * logn_factors(q_slot - kv_start[:, None], logn_base)[:, None, :, None]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         if alibi_slopes is not None:
             distance = (slot[:, :, None, :] - q_slot[:, None, :, None]).float()  # [B, Hq, QT, W * bs]
             scores = scores + alibi_slopes.float().to(query.device)[None, :, None, None] * distance
@@ -298,6 +348,8 @@ def sparse_attention(
             ok = query_ok[b]
             out[b, :, query_ids[b, ok]] = tile_out[b, :, ok]
             lse[b, :, query_ids[b, ok]] = tile_lse[b, :, ok]
+    if sinks is not None:
+        out = attention_sinks(out, lse, sinks)
     if out_given is not None:
         out_given.copy_(out)
         out = out_given
@@ -440,6 +492,7 @@ def antidiagonal_block_scores(
     num_tiles: int | None = None,
     key_chunk: int | None = None,
     key_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """XAttention's estimate of the attention mass of each (query tile, key block): float32 ``[B, Hq, n, nb]``.
 
@@ -456,8 +509,10 @@ def antidiagonal_block_scores(
     blocks. ``key_chunk`` (a multiple of ``block_size``) bounds the keys scored at once; when the keys are longer
     the softmax takes two passes (log-sum-exp over the chunks, then masses). An int8 ``key`` comes with its
     float32 ``key_scale`` ``[B, Hkv, Skv]`` (:func:`quantize_per_token`): the scores are those of the
-    dequantised keys.
+    dequantised keys. ``softcap`` caps each scaled score (:func:`soft_cap`) before the softmax, as the attention
+    caps its own: the masses then estimate the capped attention's.
     """
+    check_softcap_and_sinks(softcap, None, query)
     if (key.dtype == torch.int8) != (key_scale is not None):
         raise ValueError("an int8 key needs key_scale (and key_scale only goes with an int8 key)")
     batch, q_heads, num_queries, dim = query.shape
@@ -496,6 +551,8 @@ def antidiagonal_block_scores(
             keys = keys * torch.gather(key_scale.float(), 2, gather_slots.expand(-1, kv_heads, -1))[..., None]
         keys = (keys * slot_ok[:, None, :, None]).view(batch, kv_heads, -1, stride * dim)
         logits = torch.matmul(strided_q, keys.transpose(-1, -2)) * (scale / stride)
+        if softcap is not None:
+            logits = soft_cap(logits, softcap)
         logits = logits.view(batch, q_heads, num_q_groups, -1)
         key_first = offsets[::stride]  # row-relative first slot of each key group
         visible = slot_ok[:, None, ::stride] & (key_first[None, None, :] <= group_last[:, :, None])

@@ -20,9 +20,9 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
-                      ticket_counters, value_args, values_aligned, wide_offsets)
+                      softcap_sink_args, ticket_counters, value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
-from .sparse_prefill import _attend_entries, _finish
+from .sparse_prefill import _attend_entries, _finish, _sink_scale
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
 MAX_DECODE_QUERIES = 16
@@ -34,8 +34,8 @@ TUNING_INT8 = {"num_stages": 3}
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES, FINAL, FINAL_LSE, TICKETS,
-    LENGTH,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES, SINKS, FINAL, FINAL_LSE,
+    TICKETS, LENGTH,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_vblk,
@@ -46,7 +46,7 @@ def _sparse_decode_kernel(
     stride_gb, stride_gh, stride_gs,
     stride_ib, stride_ih, stride_ik,
     stride_cb, stride_ch,
-    key_length, q_offset, scale_log2, inv_log_base, splits,
+    key_length, q_offset, scale_log2, inv_log_base, softcap_log2, splits,
     SEL_HEADS: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr, NUM_QUERIES: tl.constexpr, QUERY_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -54,6 +54,7 @@ def _sparse_decode_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
     MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,9 +112,12 @@ def _sparse_decode_kernel(
         stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
         K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
         V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss, alibi_log2,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN, QUANT,
-        ALIBI, V_BLOCK, V_ALIGNED)
+        softcap_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION,
+        WIDE_OFFSETS, LOGN, QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
     out, lse = _finish(acc, l_i, m_i)
+    if HAS_SINKS:
+        if not MERGE:  # the whole row in one program; split partials get the sinks after their merge
+            out = _sink_scale(out, lse, SINKS, head, head_ok)
     split64 = split.to(tl.int64)
     tl.store(OUT + split64 * stride_on + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
              + query[:, None] * stride_os + offs_dv[None, :] * stride_od,
@@ -130,6 +134,8 @@ def _sparse_decode_kernel(
                 LSE + b64 * stride_lb + head * stride_lh + query * stride_ls,
                 OUT + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + query[:, None] * stride_os
                 + offs_dv[None, :] * stride_od, stride_ln, stride_on, splits, head_ok, dv_ok, BLOCK_M, DV_PAD)
+            if HAS_SINKS:
+                merged = _sink_scale(merged, merged_lse, SINKS, head, head_ok)
             tl.store(FINAL + b64 * stride_fb + head[:, None].to(tl.int64) * stride_fh + query[:, None] * stride_fs
                      + offs_dv[None, :] * stride_fd, merged.to(FINAL.dtype.element_ty),
                      mask=head_ok[:, None] & dv_ok[None, :])
@@ -160,6 +166,8 @@ def sparse_decode(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -167,7 +175,8 @@ def sparse_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton decode for a selection with one query tile and at most :data:`MAX_DECODE_QUERIES` queries.
 
-    Same result as :func:`hf_sparse.kernels.reference.sparse_attention` (``logn_base`` and ``skip`` too).
+    Same result as :func:`hf_sparse.kernels.reference.sparse_attention` (``logn_base``, ``skip``, ``softcap`` and
+    ``sinks`` too: the sinks rescale the output after the merge of the splits).
     ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
     back to the host. ``length`` (a one-element integer tensor on the device) is the number of valid key
     slots when ``key`` / ``value`` are a static cache's whole storage; ``q_offset`` is then ``length - Sq``,
@@ -175,6 +184,7 @@ def sparse_decode(
     """
     out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
+    softcap_log2, sink_logits = softcap_sink_args(softcap, sinks, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     value_strides, value_block = value_args(value)
@@ -215,11 +225,11 @@ def sparse_decode(
         try:
             _sparse_decode_kernel[(programs, splits)](
                 query, key, value, part_out, part_lse, indices, counts, starts, skip_flags, key_scale, value_scale, slopes,
-                out, lse, tickets, length_arg,
+                sink_logits, out, lse, tickets, length_arg,
                 *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 *indices.stride(), *counts.stride(),
-                key_length, q_offset, scale * math.log2(math.e), inv_log_base, splits,
+                key_length, q_offset, scale * math.log2(math.e), inv_log_base, softcap_log2, splits,
                 SEL_HEADS=sel_heads, HEAD_GROUPS=head_groups, HEADS_PER_ROW=heads_per_row,
                 HEADS_PER_PROG=heads_per_prog, GROUP=q_heads // kv_heads, NUM_QUERIES=num_queries,
                 QUERY_TILE=selection.query_tile, BLOCK_M=rows, BLOCK_SIZE=selection.block_size, BLOCK_N=block_n,
@@ -227,7 +237,8 @@ def sparse_decode(
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-                ALIBI=alibi_slopes is not None, MERGE=splits > 1,
+                ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap is not None,
+                HAS_SINKS=sinks is not None,
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
             )

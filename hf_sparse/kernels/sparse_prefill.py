@@ -22,8 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, value_args,
-                      values_aligned, wide_offsets)
+from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, softcap_sink_args,
+                      value_args, values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -40,15 +40,32 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
 
 
 @triton.jit
+def _soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)`` (attention logit softcapping), tanh written with ``exp`` so that it also runs
+    in the interpreter: ``1 - 2 / (exp(2x) + 1)`` is exact at both ends (exp overflowing to inf gives 1, underflowing
+    to 0 gives -1). The base-2 scores of the kernels take the cap times log2(e) (``_common.softcap_sink_args``)."""
+    return cap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / cap)) + 1.0))
+
+
+@triton.jit
+def _sink_scale(out, lse, SINKS, head, head_ok):
+    """``out * sigmoid(lse - sink[head])`` per row: a finished output with a zero-valued key of logit ``sink``
+    added to its softmax (``reference.attention_sinks``); rows that saw no key (lse -inf) stay zero."""
+    sink = tl.load(SINKS + head, mask=head_ok, other=0.0)
+    return out * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+
+
+@triton.jit
 def _attend_entries(
     acc, l_i, m_i, q, q_slot, row_ok,
     idx_ptr, stride_ik, first_entry, last_entry,
     k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk,
-    kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
+    kv_start, key_length, scale_log2, ks_base, vs_base, stride_kss, stride_vss, alibi_log2, softcap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
 
@@ -57,7 +74,8 @@ def _attend_entries(
     K/V are int8 with a float32 scale per slot (``ks_base`` / ``vs_base``): int8 values are exact in the dot
     dtype, so a key's scale multiplies its score column and a value's scale the probability column that
     weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
-    slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores.
+    slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores. With ``SOFTCAP``
+    the scaled scores are capped (``_soft_cap``, cap ``softcap_log2``) before the bias and the masks.
     With ``V_BLOCK`` (> 0) the values are blocked (``reference.blocked_values``): slot ``s`` of channel ``d``
     at ``(s // V_BLOCK) * stride_vblk + d * stride_vd + (s % V_BLOCK) * stride_vs``; with ``V_ALIGNED`` every
     row starts at a multiple of ``BLOCK_N`` (and ``V_BLOCK`` is one), so a tile's slots are contiguous.
@@ -128,6 +146,8 @@ def _attend_entries(
                 scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
             if QUANT:
                 scores = scores * k_scale[None, :]
+            if SOFTCAP:
+                scores = _soft_cap(scores, softcap_log2)
             if ALIBI:
                 scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
             if MASKED:
@@ -160,7 +180,7 @@ def _finish(acc, l_i, m_i):
 
 @triton.jit
 def _sparse_prefill_kernel(
-    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES,
+    Q, K, V, OUT, LSE, INDICES, COUNTS, KV_START, SKIP, K_SCALE, V_SCALE, ALIBI_SLOPES, SINKS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_vblk,
@@ -169,7 +189,7 @@ def _sparse_prefill_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_ib, stride_ih, stride_it, stride_ik,
     stride_cb, stride_ch, stride_ct,
-    num_queries, key_length, q_offset, scale_log2, inv_log_base, num_tiles, num_slots,
+    num_queries, key_length, q_offset, scale_log2, inv_log_base, softcap_log2, num_tiles, num_slots,
     KV_HEADS: tl.constexpr, PROGS_PER_KV: tl.constexpr, HEAD_GROUPS: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
     QUERY_TILE: tl.constexpr, QUERIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -177,7 +197,7 @@ def _sparse_prefill_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
-    V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
+    V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
     # the programs of the group's query heads next to each other (they share K/V blocks through L2).
@@ -263,16 +283,18 @@ def _sparse_prefill_kernel(
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, 0, num_full,
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
-            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2, softcap_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI, V_BLOCK, V_ALIGNED)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
-            ks_base, vs_base, stride_kss, stride_vss, alibi_log2,
+            ks_base, vs_base, stride_kss, stride_vss, alibi_log2, softcap_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI, V_BLOCK, V_ALIGNED)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
         out, lse = _finish(acc, l_i, m_i)
+        if HAS_SINKS:
+            out = _sink_scale(out, lse, SINKS, head, row_ok)
         tl.store(out_rows[:, None] + query[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od,
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
         tl.store(lse_rows + query * stride_ls, lse, mask=row_ok)
@@ -292,6 +314,8 @@ def sparse_prefill(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,10 +323,12 @@ def sparse_prefill(
 
     Returns ``(out [B, Hq, Sq, Dv]`` in the query dtype, ``lse [B, Hq, Sq]`` float32); ``out`` / ``lse`` are
     written in place when given (any strides). Every element of the rows not in ``skip`` is written; the
-    rows in ``skip`` are not touched.
+    rows in ``skip`` are not touched. ``softcap`` caps the scores in the inner loop, ``sinks`` rescale the
+    finished output (the lse stays that of the real keys).
     """
     out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
+    softcap_log2, sink_logits = softcap_sink_args(softcap, sinks, query)
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads, key_length, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     value_strides, value_block = value_args(value)
@@ -320,7 +346,7 @@ def sparse_prefill(
         D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
         DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
         LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-        ALIBI=alibi_slopes is not None,
+        ALIBI=alibi_slopes is not None, SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
         heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
@@ -333,11 +359,12 @@ def sparse_prefill(
         try:
             _sparse_prefill_kernel[(batch * sel_heads * head_groups * num_slots,)](
                 query, key, value, out, lse, selection.indices, selection.counts, starts, skip_flags,
-                key_scale, value_scale, slopes,
+                key_scale, value_scale, slopes, sink_logits,
                 *query.stride(), *key.stride(), *value_strides, *key_scale.stride(), *value_scale.stride(),
                 *out.stride(), *lse.stride(),
                 *selection.indices.stride(), *selection.counts.stride(),
-                num_queries, key_length, q_offset, scale * math.log2(math.e), inv_log_base, num_tiles, num_slots,
+                num_queries, key_length, q_offset, scale * math.log2(math.e), inv_log_base, softcap_log2, num_tiles,
+                num_slots,
                 PROGS_PER_KV=sel_heads * head_groups // kv_heads, HEAD_GROUPS=head_groups,
                 HEADS_PER_PROG=heads_per_prog, QUERIES_PER_PROG=queries_per_prog, SUBTILES=subtiles,
                 BLOCK_M=rows, BLOCK_N=block_n, num_warps=TUNING["num_warps"] if rows >= 128 else 4, num_stages=stages,

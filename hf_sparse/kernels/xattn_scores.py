@@ -23,7 +23,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import RowLayout, row_starts
-from ._common import check_token_scale, dot_settings, scale_args
+from ._common import check_token_scale, dot_settings, scale_args, softcap_sink_args
+from .sparse_prefill import _soft_cap
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
 # Launch setting measured on the H100 (bf16, 128K; docs/xattn.md): 128 x 128 groups with
@@ -67,30 +68,36 @@ def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, str
 @triton.jit
 def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
                 group_first, group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d,
-                d_ok, scale_log2, row_max, row_sum, part_base,
+                d_ok, scale_log2, softcap_log2, row_max, row_sum, part_base,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, GROUPS: tl.constexpr,
                 STRIDE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr):
+                MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Step ``it`` over ``BLOCK_N`` key groups: scores, online max / sum-exp update, and the step's partial
     masses per (query group, key block) with its max written to the scratch. Maxima are of the scores times
     ``scale_log2`` (the softmax scale times log2(e), positive), so a probability is one multiply-add and an
     ``exp2``. Without ``MASKED`` every key group of the step must be visible to every real row and inside the
-    keys (rows that are not real are weighted 0 later)."""
+    keys (rows that are not real are weighted 0 later). With ``SOFTCAP`` the scaled scores are capped first
+    (cap ``softcap_log2``, base 2), and the scale is then 1."""
     key_group = it * BLOCK_N + offs_col
     scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
                              stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
                              offs_d, d_ok, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
+    if SOFTCAP:
+        scores = _soft_cap(scores * scale_log2, softcap_log2)
+        scale = 1.0
+    else:
+        scale = scale_log2
     if MASKED:
         visible = ((kv_start + key_group * STRIDE < key_length)[None, :]
                    & ((key_group * STRIDE)[None, :] <= group_last[:, None]) & row_real[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.where(visible, tl.exp2(scores * scale_log2 - safe_max[:, None]), 0.0)
+        probs = tl.where(visible, tl.exp2(scores * scale - safe_max[:, None]), 0.0)
     else:
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2)
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale)
         safe_max = new_max
-        probs = tl.exp2(scores * scale_log2 - safe_max[:, None])
+        probs = tl.exp2(scores * scale - safe_max[:, None])
     row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(probs, 1)
     step = part_base + it * ((KEY_BLOCKS + 1) * BLOCK_M)
     # Columns are (key block, key group) in row-major order: one reshape sums each block's groups.
@@ -133,10 +140,12 @@ def _antidiagonal_scores_kernel(
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_ksb, stride_ksh, stride_kss,
-    num_queries, key_length, q_offset, first_tile, num_tiles, scale_log2, max_iters, splits, split_iters,
+    num_queries, key_length, q_offset, first_tile, num_tiles, scale_log2, softcap_log2, max_iters, splits,
+    split_iters,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Scores of one split of a program's key steps (see the module docstring)."""
     # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
@@ -166,14 +175,14 @@ def _antidiagonal_scores_kernel(
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
-            scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
-            PRECISION, QUANT, False)
+            scale_log2, softcap_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE,
+            DOT_FP32, PRECISION, QUANT, False, SOFTCAP)
     for it in tl.range(tl.maximum(full_iters, it_start), it_end, flatten=True):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
-            scale_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE, DOT_FP32,
-            PRECISION, QUANT, True)
+            scale_log2, softcap_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE,
+            DOT_FP32, PRECISION, QUANT, True, SOFTCAP)
     stats = STATS + (index.to(tl.int64) * splits + split) * (2 * BLOCK_M)  # written even by an empty split
     tl.store(stats + offs_row, row_max)
     tl.store(stats + BLOCK_M + offs_row, row_sum)
@@ -235,9 +244,11 @@ def antidiagonal_block_scores(
     num_tiles: int | None = None,
     key_chunk: int | None = None,
     key_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`hf_sparse.kernels.reference.antidiagonal_block_scores` (float32 output); an
-    int8 ``key`` with its float32 ``key_scale`` ``[B, Hkv, Skv]`` is dequantised in registers."""
+    int8 ``key`` with its float32 ``key_scale`` ``[B, Hkv, Skv]`` is dequantised in registers; ``softcap`` caps
+    the scaled scores before the softmax."""
     from .reference import num_query_tiles, num_row_blocks
 
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or query.shape[1] % key.shape[1]:
@@ -251,6 +262,7 @@ def antidiagonal_block_scores(
         check_token_scale("key_scale", key_scale, key)
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    softcap_log2, _ = softcap_sink_args(softcap, None, query)
     if block_size % stride or stride & (stride - 1):
         raise ValueError(f"stride {stride} must be a power of two dividing block_size {block_size}")
     batch, q_heads, num_queries, dim = query.shape
@@ -290,10 +302,11 @@ def antidiagonal_block_scores(
                     query, key, key_scale, kv_start, part, stats,
                     *query.stride(), *key.stride(), *key_scale.stride(),
                     num_queries, key_length, q_offset, first_tile + start, count,
-                    scale / stride * math.log2(math.e), max_iters, splits, split_iters,
+                    scale / stride * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, num_warps=_WARPS,
+                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, SOFTCAP=softcap is not None,
+                    num_warps=_WARPS,
                     num_stages=_STAGES,
                 )
                 _antidiagonal_masses_kernel[(programs * splits, batch * q_heads)](

@@ -31,9 +31,15 @@ class PLASMethod:
     The method protocol (shared by every file in ``methods/``): ``config`` with ``block_size``,
     ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
-    int8), returning a :class:`BlockSelection`; methods whose config has ``dense_above_density`` also give
-    ``selection_share(num_queries, head_dim)`` and ``density_floor(num_queries, key_length)`` for the density
-    decision.
+    int8) and, for PLAS and XAttention (the methods of ``attention.sparse_attention_forward``), the model's
+    attention logit ``softcap`` (None without), returning a :class:`BlockSelection`; methods whose config has
+    ``dense_above_density`` also give ``selection_share(num_queries, head_dim)`` and
+    ``density_floor(num_queries, key_length)`` for the density decision.
+
+    PLAS ignores ``softcap``: it ranks each query's blocks by ``q . Kc`` and keeps the top ``m`` for an ``m`` in
+    the configured range, and a softcap, being increasing, keeps that ranking, so every selection it could make
+    is one PLAS could make without it (the cap would only move the cut inside the range, through the
+    bisection's relative-probability points). The fused selection kernel stays as it is.
     """
 
     name = "plas"
@@ -58,7 +64,7 @@ class PLASMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: RowLayout, key_scale: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
@@ -70,6 +76,7 @@ class PLASMethod:
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> BlockSelection:
         """``length``: the key length as a device tensor (static cache storage passed as ``summaries``)."""
         return kernels.select_blocks(

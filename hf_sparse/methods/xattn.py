@@ -18,6 +18,11 @@ class XAttnMethod:
     ``gqa_reduce``; int8 keys (an int8 SparseCache) are scored dequantised by ``key_scale``. Decode scores the
     block summaries kept in the SparseCache (as PLAS does) and unites the heads of each GQA group. Both return
     one selection row per KV head.
+
+    With an attention logit ``softcap`` (Gemma 2) both score softmaxes cap their scaled logits first, as the
+    attention does: the cap keeps each query's ranking of blocks but flattens the masses, and the threshold is
+    on cumulative mass, so without it the estimate would credit the top blocks with more of the capped
+    attention than they get, and keep too few.
     """
 
     name = "xattn"
@@ -44,7 +49,7 @@ class XAttnMethod:
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
-        kv_start: RowLayout, key_scale: torch.Tensor | None = None,
+        kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
     ) -> BlockSelection:
         config = self.config
         block_size = config.block_size
@@ -62,7 +67,7 @@ class XAttnMethod:
             mass = kernels.antidiagonal_block_scores(
                 query, key, scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block_size,
                 stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
-                key_scale=key_scale,
+                key_scale=key_scale, softcap=softcap,
             )
             chunk = slice(first_tile, first_tile + count)
             chosen = kernels.cumulative_threshold_select(
@@ -74,6 +79,7 @@ class XAttnMethod:
     def select_decode(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, length: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> BlockSelection:
         """``length``: the key length as a one-element device tensor (``key`` and ``summaries`` a static cache's
         whole storage); every step then has the same shapes and reads nothing back to the host."""
@@ -87,7 +93,7 @@ class XAttnMethod:
         available = reference.block_availability(
             num_queries, num_blocks, q_offset, kv_start, config.block_size, key_length
         )  # [B, Sq, nb]
-        probs = reference.block_scores(query, summaries, scale, available)
+        probs = reference.block_scores(query, summaries, scale, available, softcap=softcap)
         block_ids = torch.arange(num_blocks, device=query.device)
         query_slots = q_offset + torch.arange(num_queries, device=query.device)
         own_block = torch.div(query_slots[None, :] - kv_start[:, None], config.block_size, rounding_mode="floor")
