@@ -106,6 +106,10 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage: torch.Tensor | None = None
         self.summarized_blocks = 0
         self._summary_source: tuple[Any, ...] | None = None
+        # The gate (in a 1-tuple) a static decode summarises with, once it has (kept across reset(): a CUDA graph
+        # kept for the next sequence summarises with it), and whether this sequence's full blocks still need it.
+        self.decode_gate: tuple[torch.Tensor | None] | None = None
+        self._decode_summaries_due = True
         self.row_layout: RowLayout | None = None
         # The tensor row layouts' starts are kept in, and its (low, high): kept across reset() for reuse.
         self._starts_buffer: torch.Tensor | None = None
@@ -246,6 +250,7 @@ class SparseCacheLayer(CacheLayerMixin):
         summarise the earlier blocks that are not yet (or were with another gate), i.e. those of a prefill that ran
         dense, which computes no summaries. Nothing to do, and no launch, when they are up to date: after the first
         decode step, so never inside a CUDA-graph capture."""
+        self.decode_gate, self._decode_summaries_due = (gate_weight,), False
         source = (id(gate_weight), None if gate_weight is None else gate_weight._version)
         earlier = max(0, self.length - recent - self.row_layout.high) // self.block_size
         if source != self._summary_source or earlier > self.summarized_blocks:
@@ -304,6 +309,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.length = 0
         self.summarized_blocks = 0
         self._summary_source = None
+        self._decode_summaries_due = True
         self.row_layout = None
         self.keys = self.values = None
 
@@ -397,6 +403,17 @@ class SparseCache(Cache):
     def layout_version(self) -> tuple[int, ...]:
         """Changes whenever a layer's storage or padding layout is replaced (what a captured graph points at)."""
         return tuple(getattr(layer, "version", 0) for layer in self.layers)
+
+    def summarize_for_decode(self) -> None:
+        """Before a replayed decode step: the layers whose static decode selects on block summaries summarise the
+        full blocks their sequence has and they lack (a dense prefill computes none). The eager decode path does
+        this itself (:meth:`SparseCacheLayer.summarize_full_blocks`); a CUDA graph kept from an earlier sequence
+        replays only the rewrite of the last block, so the first replay of each sequence needs this. No work, and
+        no launch, once done for a sequence."""
+        for layer in self.layers:
+            if getattr(layer, "decode_gate", None) is not None and layer._decode_summaries_due \
+                    and layer.row_layout is not None:
+                layer.summarize_full_blocks(layer.decode_gate[0], 0)
 
     def advance_host_length(self, tokens: int) -> None:
         """Count ``tokens`` more on the host side of every layer, after a graph replay wrote them on the device

@@ -17,6 +17,7 @@ from conftest import build, tiny_config
 import hf_sparse
 from hf_sparse import SparseCache, kernels
 from hf_sparse.kernels import reference as ref
+from hf_sparse.selection import RowLayout
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -299,6 +300,35 @@ def test_static_cache_validation_and_growth():
     assert int(layer.device_length) == 0
 
 
+def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
+    """A kept CUDA graph replays only the rewrite of the last block: before its first replay for a new sequence
+    (after a dense prefill, which summarises nothing), SparseCache.summarize_for_decode summarises the new
+    sequence's full blocks with the gate the decode used, once."""
+    cache = SparseCache(tiny_config(layers=2), block_size=16, max_cache_len=96)
+    gen = torch.Generator().manual_seed(7)
+    gate = torch.randn(2, 16, 16, generator=gen)
+    first = torch.randn(1, 2, 70, 16, generator=gen)
+    for layer in cache.layers:
+        layer.update(first, first)
+        layer.set_padding(RowLayout.uniform(1, "cpu"))
+    cache.layers[0].summarize_full_blocks(gate, 1)  # layer 0 decodes on summaries (a warm-up did this), layer 1 not
+    cache.reset()
+    second = torch.randn(1, 2, 70, 16, generator=gen)
+    for layer in cache.layers:
+        layer.update(second, second)
+        layer.set_padding(RowLayout.uniform(1, "cpu"))
+    layer = cache.layers[0]
+    assert layer.summarized_blocks == 0 and layer.decode_gate[0] is gate
+    cache.summarize_for_decode()
+    expected = hf_sparse.kernels.block_summaries(second, gate, RowLayout.uniform(1, "cpu"), 16)
+    torch.testing.assert_close(layer.summary_storage[:, :, :4], expected[:, :, :4])  # the 4 full blocks
+    assert layer.summarized_blocks == 4 and not layer._decode_summaries_due
+    assert cache.layers[1].decode_gate is None and cache.layers[1].summarized_blocks == 0
+    stored = layer.summary_storage.clone()
+    cache.summarize_for_decode()  # done for this sequence: nothing recomputed
+    assert torch.equal(layer.summary_storage, stored)
+
+
 def decode_logits(model, cache, ids, mask, steps):
     """Prefill, then ``steps`` greedy decode steps; the last-position logits of every call."""
     with torch.no_grad():
@@ -518,3 +548,30 @@ def test_compiled_decode_step_equals_eager_decode(method):
             hf_sparse.graphs.uninstall(model)
     error = (steps[True].float() - steps[False].float()).norm() / steps[False].float().norm()
     assert error < 2e-2, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_kept_graphs_decode_a_new_prompt_as_fresh_graphs_do(method):
+    """A second generate() with another prompt of the same length replays the graphs kept from the first (no
+    capture) over a dense prefill (which summarises nothing): its sparse decode selects on the new prompt's
+    summaries (SparseCache.summarize_for_decode), so its tokens are those of graphs captured afresh for it."""
+    model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "plas").to("cuda")
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 128, (1, 300), generator=gen).cuda() for _ in range(2)]
+    hf_sparse.configure(model, graph_config(method, dense_below=(10_000, 0), decode_compile=False))
+
+    def run(ids):
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+
+    run(prompts[0])
+    stats = hf_sparse.graphs.stats(model)
+    captures = stats.captures
+    kept = run(prompts[1])
+    assert stats.captures == captures  # the kept graphs replayed
+    hf_sparse.graphs.release(model)
+    fresh = run(prompts[1])
+    assert stats.captures == captures + 1
+    assert torch.equal(kept, fresh)
