@@ -93,7 +93,8 @@ def fused_modules(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]
                 for name in _FUSED_FUNCTIONS:
                     original = getattr(namespace, name, None)
                     key = (namespace.__name__, name)
-                    if callable(original) and _compiled_function(key, original) is not None:
+                    swapped_already = isinstance(original, functools.partial) and original.func is _run
+                    if callable(original) and not swapped_already and _compiled_function(key, original) is not None:
                         setattr(namespace, name, functools.partial(_run, key, original, name))
                         functions.append((namespace, name, original))
         yield len(swapped) + len(functions)

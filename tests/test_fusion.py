@@ -74,3 +74,17 @@ def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
     assert "LlamaRMSNorm runs eagerly" in caplog.text
     with fusion.fused_modules(model) as swapped:  # the failed class is no longer swapped
         assert swapped == 1  # only the MLP
+
+
+def test_nested_swaps_restore_the_original_rotary_function(eager_backend):
+    """A capture inside another's (two models of one class) swaps nothing twice and restores what it found."""
+    model = build(tiny_config(layers=1), "plas")
+    modeling = sys.modules[type(model).__module__]
+    rotary = modeling.apply_rotary_pos_emb
+    with fusion.fused_modules(model) as outer:
+        swapped = modeling.apply_rotary_pos_emb
+        with fusion.fused_modules(build(tiny_config(layers=1), "plas")) as inner:
+            assert modeling.apply_rotary_pos_emb is swapped
+        assert inner == outer - 1  # the other model's norms and MLP, not the function again
+        assert modeling.apply_rotary_pos_emb is swapped
+    assert modeling.apply_rotary_pos_emb is rotary
