@@ -269,7 +269,7 @@ def sparse_attention_forward(
     if falls_back and num_queries >= 4 * PROBE_QUERIES:
         probe_offset = q_offset + num_queries - PROBE_QUERIES
         probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,
-                       kv_start=rows, key_scale=scales.get("key_scale"))
+                       kv_start=rows, key_scale=scales.get("key_scale"), probe=True)
         probe_density = selection_density(probe, PROBE_QUERIES, probe_offset, rows)
         if probe_density >= threshold:
             reason = (f"probe density {probe_density:.3f} (last {PROBE_QUERIES} queries) >= {threshold:.3f} "

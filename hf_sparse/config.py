@@ -247,6 +247,12 @@ class XAttnConfig(_MethodConfig):
         block_size: tokens per KV block and per prefill query tile (a power of two, >= 16).
         stride: antidiagonal stride ``S``: scoring reads every ``S``-th antidiagonal of each ``S x S`` tile, at
             about ``1/S`` of the dense score cost (a power of two dividing ``block_size``; 1 scores exactly).
+        pool: how the ``S`` query-key products of one antidiagonal become the score of a (query group, key group):
+            ``"mean"`` (the XAttention paper's) or ``"max"``. A mean of logits averages a single strongly attended
+            key away, so per query head the mean's selection keeps less true attention mass than the exact block
+            masses would at the same density and the max's keeps as much; end to end (next-token KL at matched
+            density on SmolLM2) the two are within the spread between inputs, so the paper's stays the default
+            (docs/xattn.md, "Where the estimate loses mass").
         threshold: per query tile (prefill) or query (decode), the smallest set of key blocks whose estimated
             attention mass reaches this fraction is kept, in (0, 1]; 1.0 keeps every causal block.
         decode_threshold: the decode phase's threshold (on block-summary scores), in (0, 1]; ``None`` = ``threshold``.
@@ -259,6 +265,10 @@ class XAttnConfig(_MethodConfig):
         vote_ratio: fraction of a group's heads a block needs with ``gqa_reduce="vote"``, in [0, 1).
         keep_sink: always keep each row's first block.
         keep_diagonal: always keep the block(s) holding the tile's (or decode query's) own tokens.
+        dense_last: the query tiles holding a prefill's last ``dense_last`` queries attend to every causal block
+            (OpenVINO GenAI's "tri-shape"): the prompt's end, which the first generated token reads most, is then
+            exact at about ``dense_last / N`` of dense attention's cost (at 8K on SmolLM2 the last position's KL
+            falls 0.0144 -> 0.0005 at threshold 0.8, docs/xattn.md); ``0`` = off.
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``8 * block_size`` in prefill (where the density decision then weighs the scoring's cost) and
@@ -287,6 +297,7 @@ class XAttnConfig(_MethodConfig):
 
     block_size: int = 128
     stride: int = 8
+    pool: str = "mean"
     threshold: float = 0.9
     decode_threshold: float | None = 0.99
     chunk_size: int = 16384
@@ -294,6 +305,7 @@ class XAttnConfig(_MethodConfig):
     vote_ratio: float = 0.5
     keep_sink: bool = True
     keep_diagonal: bool = True
+    dense_last: int = 128
     dense_layers: tuple[int, ...] = (-1,)
     dense_below: int | tuple[int, int] | None = None
     prefill_chunk: int | None = 16384
@@ -316,6 +328,8 @@ class XAttnConfig(_MethodConfig):
         stride = _as_int("stride", self.stride)
         if not _is_power_of_two(stride) or stride > block_size:
             raise ValueError(f"stride must be a power of two in [1, block_size={block_size}], got {stride}")
+        if self.pool not in ("max", "mean"):
+            raise ValueError(f"pool must be 'max' or 'mean', got {self.pool!r}")
         for name in ("threshold", "decode_threshold"):
             value = getattr(self, name)
             if value is None and name == "decode_threshold":
@@ -326,6 +340,8 @@ class XAttnConfig(_MethodConfig):
         chunk_size = _as_int("chunk_size", self.chunk_size)
         if chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size}")
+        if _as_int("dense_last", self.dense_last) < 0:
+            raise ValueError(f"dense_last must be an int >= 0, got {self.dense_last!r}")
         if self.gqa_reduce not in ("any", "vote"):
             raise ValueError(f"gqa_reduce must be 'any' or 'vote', got {self.gqa_reduce!r}")
         if isinstance(self.vote_ratio, bool) or not isinstance(self.vote_ratio, (int, float)) \

@@ -226,7 +226,7 @@ def fallback_configs(method: str):
         dense_config = full_density(block_size=16)
         return dense_config, dataclasses.replace(dense_config, prefill_top_k=(1, 1), decode_top_k=(1, 1),
                                                  query_union=16)
-    dense_config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
+    dense_config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=())
     return dense_config, dataclasses.replace(dense_config, threshold=0.3, decode_threshold=0.3)
 
 

@@ -177,7 +177,7 @@ def test_int8_kv_cache_xattn_equals_float_cache_of_dequantized_states(backend, m
     monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
     config = tiny_config("llama", 8, 2, head_dim=32)
     model = build(config, "xattn")
-    hf_sparse.configure(model, hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=0.5,
+    hf_sparse.configure(model, hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.5, decode_threshold=0.5,
                                                      dense_below=0, dense_layers=(), kv_cache_dtype="int8"))
     torch.manual_seed(6)
     ids = torch.randint(3, 128, (2, 110))

@@ -61,7 +61,7 @@ def method_configs(method: str):
     common = dict(block_size=16, stride=4, dense_layers=())
     return (hf_sparse.XAttnConfig(dense_below=10_000, **common),
             hf_sparse.XAttnConfig(threshold=1.0, dense_below=0, **common),
-            hf_sparse.XAttnConfig(threshold=0.3, decode_threshold=0.3, dense_below=0, **common))
+            hf_sparse.XAttnConfig(dense_last=0, threshold=0.3, decode_threshold=0.3, dense_below=0, **common))
 
 
 def padded_batch(length: int = 50):

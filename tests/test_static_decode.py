@@ -185,7 +185,7 @@ def test_generate_with_static_cache_equals_dynamic(method, num_beams):
         config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
                                       query_union=16, decode_cuda_graph=False)
     else:
-        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0,
+        config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0,
                                        decode_cuda_graph=False)
     hf_sparse.configure(model, config)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -356,7 +356,7 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
         config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
                                       query_union=16, logn_scaling=logn, logn_base=32 if logn else None)
     else:
-        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0)
+        config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0)
     hf_sparse.configure(model, config)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
@@ -390,7 +390,7 @@ def test_static_decode_after_a_dense_prefill(method):
         config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), query_union=16,
                                       dense_below=dense_below)
     else:
-        config = hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6,
+        config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6,
                                        dense_below=dense_below)
     hf_sparse.configure(model, config)
     gen = torch.Generator().manual_seed(8)
@@ -412,7 +412,7 @@ def graph_config(method: str, **fields):
     if method == "plas":
         return hf_sparse.PLASConfig(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), query_union=32,
                                     **fields)
-    return hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, **fields)
+    return hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, **fields)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ def method_configs(method: str):
                                                                  decode_top_k=(1, 1), dense_below=0, dense_layers=(),
                                                                  query_union=16)
     return (hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=()),
-            hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
+            hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
                                   dense_layers=()))
 
 

@@ -28,13 +28,15 @@ def xattn_model(model_config, config: XAttnConfig, seed: int = 0):
 # -- config -------------------------------------------------------------------------------------------------
 def test_config_defaults_and_registry():
     config = XAttnConfig()
-    assert (config.block_size, config.stride, config.threshold, config.gqa_reduce) == (128, 8, 0.9, "any")
+    assert (config.block_size, config.stride, config.pool, config.threshold, config.gqa_reduce) == \
+        (128, 8, "mean", 0.9, "any")
+    assert config.dense_last == 128
     assert config.keep_sink and config.keep_diagonal and config.dense_layers == (-1,)
     assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 2048 * 128
     assert XAttnConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
     assert config.mass_threshold("decode") == 0.99
     assert XAttnConfig(decode_threshold=None).mass_threshold("decode") == 0.9
-    assert XAttnConfig(decode_threshold=0.99).mass_threshold("decode") == 0.99
+    assert XAttnConfig(dense_last=0, decode_threshold=0.99).mass_threshold("decode") == 0.99
     assert config.is_dense_layer(29, 30) and not config.is_dense_layer(0, 30)
     assert METHODS["xattn"] is XAttnMethod
     assert config_from_dict({"method": "xattn", "stride": 4}) == XAttnConfig(stride=4)
@@ -44,6 +46,8 @@ def test_config_defaults_and_registry():
     ({"block_size": 96}, "block_size"),
     ({"stride": 3}, "stride"),
     ({"stride": 256}, "stride"),
+    ({"pool": "sum"}, "pool"),
+    ({"dense_last": -1}, "dense_last"),
     ({"threshold": 0.0}, "threshold"),
     ({"threshold": 1.5}, "threshold"),
     ({"decode_threshold": 0}, "decode_threshold"),
@@ -63,7 +67,7 @@ def test_invalid_values_name_the_field(kwargs, field):
 
 
 def test_dict_round_trip_and_unknown_keys():
-    config = XAttnConfig(block_size=64, stride=4, threshold=0.8, gqa_reduce="vote", dense_layers=(0, -1),
+    config = XAttnConfig(block_size=64, stride=4, pool="max", dense_last=0, threshold=0.8, gqa_reduce="vote", dense_layers=(0, -1),
                          dense_below=(5, 7), prefill_chunk=None)
     data = json.loads(json.dumps(config.to_dict()))
     assert data["method"] == "xattn" and XAttnConfig.from_dict(data) == config
@@ -74,8 +78,9 @@ def test_dict_round_trip_and_unknown_keys():
 
 
 # -- antidiagonal scoring -----------------------------------------------------------------------------------
-def direct_block_scores(query, key, *, scale, q_offset, kv_start, block_size, stride):
-    """The scoring rule written out element by element (slow; tiny inputs only)."""
+def direct_block_scores(query, key, *, scale, q_offset, kv_start, block_size, stride, pool="mean"):
+    """The scoring rule written out element by element (slow; tiny inputs only); missing tokens give products
+    of zero."""
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
@@ -98,12 +103,12 @@ def direct_block_scores(query, key, *, scale, q_offset, kv_start, block_size, st
                     for r in range(num_key_groups):
                         if r * stride > last_slot:
                             break
-                        total = 0.0
+                        products = []
                         for m in range(stride):
                             qi, slot = first + stride - 1 - m, start + r * stride + m
-                            if qi < num_queries and slot < length:
-                                total += float(q[qi] @ k[slot])
-                        logits.append(total * scale / stride)
+                            products.append(float(q[qi] @ k[slot]) if qi < num_queries and slot < length else 0.0)
+                        pooled = max(products) if pool == "max" else sum(products) / stride
+                        logits.append(pooled * scale)
                     probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
                     for r, p in enumerate(probs):
                         out[b, h, t, r * stride // block_size] += p
@@ -112,13 +117,14 @@ def direct_block_scores(query, key, *, scale, q_offset, kv_start, block_size, st
 
 @pytest.mark.parametrize("q_offset", [0, 21])
 @pytest.mark.parametrize("stride", [1, 4])
-def test_antidiagonal_scores_match_direct_computation(q_offset, stride):
+@pytest.mark.parametrize("pool", ["mean", "max"])
+def test_antidiagonal_scores_match_direct_computation(q_offset, stride, pool):
     torch.manual_seed(1)
     length, block_size = 75, 16
     query = torch.randn(2, 4, length - q_offset, 8)
     key = torch.randn(2, 2, length, 8)
     kv_start = torch.tensor([0, 11])
-    kwargs = dict(scale=0.4, q_offset=q_offset, kv_start=kv_start, block_size=block_size, stride=stride)
+    kwargs = dict(scale=0.4, q_offset=q_offset, kv_start=kv_start, block_size=block_size, stride=stride, pool=pool)
     got = ref.antidiagonal_block_scores(query, key, **kwargs)
     expected = direct_block_scores(query, key, **kwargs)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
@@ -163,7 +169,7 @@ def test_softcap_flattens_the_masses_so_the_threshold_keeps_more_blocks():
     torch.manual_seed(4)
     query, key = torch.randn(1, 4, 160, 16) * 3, torch.randn(1, 2, 160, 16)
     kv_start = torch.tensor([0])
-    method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6))
+    method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_last=0))
     summaries = ref.block_summaries(key, None, kv_start, 16)
     args = dict(scale=0.25, q_offset=0, kv_start=kv_start)
     for select, q, offset in ((method.select_prefill, query, 0), (method.select_decode, query[:, :, -1:], 159)):
@@ -204,7 +210,7 @@ def test_cumulative_threshold_select_is_the_smallest_set_reaching_the_threshold(
 def test_prefill_forces_sink_and_diagonal_and_respects_causality():
     torch.manual_seed(4)
     query, key = torch.randn(1, 4, 160, 16), torch.randn(1, 2, 160, 16)
-    method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.3))
+    method = XAttnMethod(XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3))
     selection = method.select_prefill(query, None, key, scale=0.25, q_offset=0, kv_start=torch.tensor([0]))
     mask = selection.to_mask(10)
     assert selection.num_heads == 2 and selection.query_tile == 16 and mask.shape == (1, 2, 10, 10)
@@ -213,10 +219,51 @@ def test_prefill_forces_sink_and_diagonal_and_respects_causality():
     assert mask.sum() < mask.new_ones(10, 10).tril().sum() * 2, "threshold 0.3 leaves blocks out"
 
 
+@pytest.mark.parametrize("kv_start", [[0], [0, 37]])
+def test_dense_last_tiles_keep_every_causal_block_and_leave_the_others(kv_start):
+    """Tri-shape: the tiles holding the last ``dense_last`` queries of each row attend to all of their causal
+    blocks; every other tile's selection is the same as without it (left padding: tiles counted per row)."""
+    torch.manual_seed(5)
+    batch = len(kv_start)
+    query, key = torch.randn(batch, 4, 170, 16), torch.randn(batch, 2, 170, 16)
+    kv_start = torch.tensor(kv_start)
+    kwargs = dict(scale=0.25, q_offset=0, kv_start=kv_start)
+    plain = XAttnMethod(XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3)).select_prefill(query, None, key, **kwargs)
+    tail = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.3, dense_last=20)).select_prefill(
+        query, None, key, **kwargs)
+    num_blocks = plain.to_mask(11).shape[-1]
+    plain_mask, tail_mask = plain.to_mask(num_blocks), tail.to_mask(num_blocks)
+    for row, start in enumerate(kv_start.tolist()):
+        real = 170 - start
+        tiles = -(-real // 16)
+        dense_tiles = [t for t in range(tiles) if min(16 * t + 15, real - 1) >= real - 20]
+        assert len(dense_tiles) == 2  # 20 queries end in the last tile or the one before
+        for t in range(tiles):
+            causal = torch.arange(num_blocks) <= min(16 * t + 15, real - 1) // 16
+            if t in dense_tiles:
+                assert torch.equal(tail_mask[row, :, t], causal.expand(2, -1))
+            else:
+                assert torch.equal(tail_mask[row, :, t], plain_mask[row, :, t])
+        assert not plain_mask[row, :, dense_tiles[0]].all(), "threshold 0.3 leaves blocks out of those tiles"
+
+
+def test_density_probe_sample_has_no_dense_tail():
+    """The density probe selects for a prefill's last queries as a sample of the whole call: the tail does not
+    apply to it (else every probe would read density 1 and send the layer to dense attention)."""
+    torch.manual_seed(6)
+    query, key = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 300, 16)
+    kwargs = dict(scale=0.25, q_offset=236, kv_start=torch.tensor([0]))
+    tail = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.3, dense_last=128))
+    plain = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.3, dense_last=0))
+    sample = tail.select_prefill(query, None, key, probe=True, **kwargs).to_mask(19)
+    assert torch.equal(sample, plain.select_prefill(query, None, key, **kwargs).to_mask(19))
+    assert sample.sum() < tail.select_prefill(query, None, key, **kwargs).to_mask(19).sum()
+
+
 def test_prefill_after_a_cached_prefix_forces_the_tiles_own_blocks():
     torch.manual_seed(9)
     query, key = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 90, 16)  # 50 cached tokens, 40 new queries
-    method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.2))
+    method = XAttnMethod(XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.2))
     selection = method.select_prefill(query, None, key, scale=0.25, q_offset=50, kv_start=torch.tensor([0]))
     mask = selection.to_mask(6)
     assert selection.num_query_tiles == 3
@@ -233,7 +280,7 @@ def test_vote_is_a_subset_of_any_and_equals_it_without_gqa():
         query, key = torch.randn(2, q_heads, 150, 16), torch.randn(2, kv_heads, 150, 16)
         masks = {}
         for reduce in ("any", "vote"):
-            method = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.6, gqa_reduce=reduce))
+            method = XAttnMethod(XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, gqa_reduce=reduce))
             masks[reduce] = method.select_prefill(query, None, key, scale=0.25, q_offset=0, kv_start=kv_start).to_mask(10)
         assert (masks["any"] | ~masks["vote"]).all()
         if q_heads == kv_heads:
@@ -266,8 +313,8 @@ def test_decode_selection_threshold_on_block_summaries():
     summaries = ref.block_summaries(key, None, kv_start, 16)
     query = torch.randn(2, 4, 1, 16)
     args = dict(scale=0.25, q_offset=199, kv_start=kv_start)
-    sparse = XAttnMethod(XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=None)).select_decode(query, summaries, key, **args)
-    full_config = XAttnConfig(block_size=16, stride=4, threshold=0.5, decode_threshold=1.0)
+    sparse = XAttnMethod(XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.5, decode_threshold=None)).select_decode(query, summaries, key, **args)
+    full_config = XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.5, decode_threshold=1.0)
     full = XAttnMethod(full_config).select_decode(query, summaries, key, **args)
     assert sparse.num_heads == 2 and sparse.num_query_tiles == 1 and sparse.query_tile == 1
     row_blocks = torch.tensor([13, 11])  # ceil((200 - kv_start) / 16)
@@ -322,7 +369,7 @@ def test_prefill_in_two_calls_equals_sdpa_at_full_density():
 
 def test_left_padded_batch_equals_each_prompt_alone():
     model = xattn_model(tiny_config("llama", 6, 2),
-                        XAttnConfig(block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
+                        XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
                                     dense_layers=()))
     torch.manual_seed(8)
     long_ids, short_ids = torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 219))

@@ -97,17 +97,52 @@ def test_softcapped_scores_match_reference(q_heads, kv_heads, head_dim, stride, 
         xattn_scores.antidiagonal_block_scores(query, key, softcap=0.0, **kwargs)
 
 
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, stride, q_offset, dtype, int8", [
+    (4, 2, 16, 4, 0, torch.float32, False),
+    (4, 4, 32, 1, 21, torch.float32, False),
+    (6, 2, 64, 8, 0, torch.float16, True),
+    (4, 1, 32, 2, 10, torch.bfloat16, False),
+])
+@pytest.mark.parametrize("rows, columns, split_steps", [(64, 128, 8), (16, 16, 1)])
+def test_max_pooled_scores_match_reference(q_heads, kv_heads, head_dim, stride, q_offset, dtype, int8, rows,
+                                           columns, split_steps, monkeypatch):
+    """``pool="max"``: each antidiagonal's largest product, as the reference pools it; the masses differ from the
+    mean's (stride > 1)."""
+    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
+    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
+    generator = torch.Generator().manual_seed(q_heads * 10 + head_dim + stride + q_offset + 7)
+    length = 83
+    query = torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator).to(DEVICE, dtype)
+    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
+                  block_size=16, stride=stride)
+    if int8:
+        key, kwargs["key_scale"] = ref.quantize_per_token(key)
+    expected = ref.antidiagonal_block_scores(query, key, pool="max", **kwargs)
+    out = xattn_scores.antidiagonal_block_scores(query, key, pool="max", **kwargs)
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+    part = xattn_scores.antidiagonal_block_scores(query, key, pool="max", **kwargs, first_tile=1, num_tiles=3)
+    torch.testing.assert_close(part, expected[:, :, 1:4], atol=ATOL[dtype], rtol=0)
+    if stride > 1:
+        assert (ref.antidiagonal_block_scores(query, key, **kwargs) - expected).abs().max() > 20 * ATOL[dtype]
+    with pytest.raises(ValueError, match="pool"):
+        xattn_scores.antidiagonal_block_scores(query, key, pool="sum", **kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8", [False, True], ids=["float_key", "int8_key"])
 @pytest.mark.parametrize("split_steps", [8, 2])
-def test_scores_match_reference_4k(dtype, int8, split_steps, monkeypatch):
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_scores_match_reference_4k(dtype, int8, split_steps, pool, monkeypatch):
     monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(1, 8, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
     key = torch.randn(1, 2, 4096 + 77, 128, generator=generator).to(DEVICE, dtype)
-    kwargs = dict(scale=128**-0.5, q_offset=0, kv_start=torch.tensor([0], device=DEVICE), block_size=128, stride=8)
+    kwargs = dict(scale=128**-0.5, q_offset=0, kv_start=torch.tensor([0], device=DEVICE), block_size=128, stride=8,
+                  pool=pool)
     if int8:
         key, kwargs["key_scale"] = ref.quantize_per_token(key)
     expected = ref.antidiagonal_block_scores(query, key, **kwargs, key_chunk=1024)

@@ -493,14 +493,16 @@ def antidiagonal_block_scores(
     key_chunk: int | None = None,
     key_scale: torch.Tensor | None = None,
     softcap: float | None = None,
+    pool: str = "mean",
 ) -> torch.Tensor:
     """XAttention's estimate of the attention mass of each (query tile, key block): float32 ``[B, Hq, n, nb]``.
 
     Tokens are grouped ``stride`` at a time: key group ``r`` of row ``b`` holds slots
     ``kv_start[b] + [r * S, (r + 1) * S)``; query group ``g`` of tile ``t`` (query tiles of ``block_size``
     queries, counted per row as in the module docstring) holds its queries ``t * block_size + [g * S, (g + 1) * S)``.
-    The score of ``(g, r)`` is the antidiagonal sum ``sum_m q[g*S + S-1-m] . k[r*S + m] * scale / S`` (one
-    GEMM on the strided reshape of Q and K; missing tokens count as zero). A query group sees the key groups
+    The score of ``(g, r)`` pools the antidiagonal's products ``q[g*S + S-1-m] . k[r*S + m] * scale`` over
+    ``m``: their mean with ``pool="mean"`` (one GEMM on the strided reshape of Q and K), their maximum with
+    ``pool="max"`` (``S`` GEMMs of head_dim depth); missing tokens count as zero. A query group sees the key groups
     whose first slot is at or before the slot of its last query. Scores are softmaxed over the visible key
     groups and the probabilities summed over the query groups of a tile and the key groups of a block, so a
     tile's masses add up to its number of real query groups.
@@ -521,6 +523,8 @@ def antidiagonal_block_scores(
     device = query.device
     if block_size % stride:
         raise ValueError(f"stride {stride} must divide block_size {block_size}")
+    if pool not in ("mean", "max"):
+        raise ValueError(f"pool must be 'mean' or 'max', got {pool!r}")
     groups_per_block = block_size // stride
     num_blocks = num_row_blocks(length, kv_start, block_size)
     if num_tiles is None:
@@ -550,7 +554,15 @@ def antidiagonal_block_scores(
         if key_scale is not None:  # dequantised per chunk
             keys = keys * torch.gather(key_scale.float(), 2, gather_slots.expand(-1, kv_heads, -1))[..., None]
         keys = (keys * slot_ok[:, None, :, None]).view(batch, kv_heads, -1, stride * dim)
-        logits = torch.matmul(strided_q, keys.transpose(-1, -2)) * (scale / stride)
+        if pool == "mean":
+            logits = torch.matmul(strided_q, keys.transpose(-1, -2)) * (scale / stride)
+        else:  # element m of every query group against element m of every key group, the largest kept
+            q_parts = strided_q.unflatten(-1, (stride, dim))
+            k_parts = keys.unflatten(-1, (stride, dim))
+            logits = torch.matmul(q_parts[..., 0, :], k_parts[..., 0, :].transpose(-1, -2))
+            for m in range(1, stride):
+                logits = torch.maximum(logits, torch.matmul(q_parts[..., m, :], k_parts[..., m, :].transpose(-1, -2)))
+            logits = logits * scale
         if softcap is not None:
             logits = soft_cap(logits, softcap)
         logits = logits.view(batch, q_heads, num_q_groups, -1)

@@ -1,8 +1,9 @@
 """XAttention antidiagonal block scores: strided score GEMM, softmax and block sums, then the masses.
 
 Semantics: ``reference.antidiagonal_block_scores``. The strided reshape is done by the loads: the score of query
-group ``g`` and key group ``r`` is accumulated as ``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed
-query group against element ``m`` of the key group), so no reshaped copy and no score matrix is written.
+group ``g`` and key group ``r`` pools ``STRIDE`` head_dim-deep GEMMs (element ``m`` of the reversed query group
+against element ``m`` of the key group; summed, or their maximum with ``pool="max"``), so no reshaped copy and no
+score matrix is written.
 First kernel: one program per (a few query tiles, a split of their key steps, batch x query head) computes each
 score of its steps once: the online max / sum-exp per query group, and each step's probabilities (relative to
 the running max) summed per (query group, key block) into a scratch buffer with that step's max; the split's
@@ -42,12 +43,16 @@ SCRATCH_BYTES = 512 * 1024 * 1024
 def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss,
                     group_first, row_real, num_queries, kv_start, key_length, key_group, offs_d, d_ok,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, POOL_MAX: tl.constexpr):
     """Unscaled antidiagonal scores ``[BLOCK_M, BLOCK_N]`` of the program's query groups against key groups
     ``key_group``: ``STRIDE`` GEMMs of head_dim depth, element ``m`` of a query group (read reversed) against
-    element ``m`` of a key group. With ``QUANT`` the keys are int8 with a float32 scale per slot (``KS``),
-    dequantised in registers: the ``STRIDE`` keys summed into one score have different scales."""
-    scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    element ``m`` of a key group, summed (``pool="mean"``; the launcher's scale divides by ``STRIDE``) or their
+    maximum kept (``POOL_MAX``). With ``QUANT`` the keys are int8 with a float32 scale per slot (``KS``),
+    dequantised in registers: the ``STRIDE`` keys pooled into one score have different scales."""
+    if POOL_MAX:
+        scores = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    else:
+        scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for m in range(STRIDE):  # a loop, not unrolled: one q / k tile in flight (pipelined), not STRIDE of them
         query_ids = group_first + STRIDE - 1 - m
         q = tl.load(Q + q_base + query_ids[:, None] * stride_qs + offs_d[None, :] * stride_qd,
@@ -59,9 +64,13 @@ def _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, str
             k_scale = tl.load(KS + ks_base + slots * stride_kss, mask=slots < key_length, other=0.0)
             k = k.to(tl.float32) * k_scale[:, None]
         if DOT_FP32:
-            scores += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+            product = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
-            scores += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+            product = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if POOL_MAX:
+            scores = tl.maximum(scores, product)
+        else:
+            scores += product
     return scores
 
 
@@ -71,7 +80,7 @@ def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_
                 d_ok, scale_log2, softcap_log2, row_max, row_sum, part_base,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, GROUPS: tl.constexpr,
                 STRIDE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, POOL_MAX: tl.constexpr):
     """Step ``it`` over ``BLOCK_N`` key groups: scores, online max / sum-exp update, and the step's partial
     masses per (query group, key block) with its max written to the scratch. Maxima are of the scores times
     ``scale_log2`` (the softmax scale times log2(e), positive), so a probability is one multiply-add and an
@@ -81,7 +90,7 @@ def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_
     key_group = it * BLOCK_N + offs_col
     scores = _strided_scores(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd,
                              stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
-                             offs_d, d_ok, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT)
+                             offs_d, d_ok, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT, POOL_MAX)
     if SOFTCAP:
         scores = _soft_cap(scores * scale_log2, softcap_log2)
         scale = 1.0
@@ -145,7 +154,7 @@ def _antidiagonal_scores_kernel(
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
     GROUPS: tl.constexpr, TILES: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, POOL_MAX: tl.constexpr,
 ):
     """Scores of one split of a program's key steps (see the module docstring)."""
     # Rows: TILES query tiles x GROUPS query groups; columns: KEY_BLOCKS key blocks x GROUPS key groups.
@@ -176,13 +185,13 @@ def _antidiagonal_scores_kernel(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
             scale_log2, softcap_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE,
-            DOT_FP32, PRECISION, QUANT, False, SOFTCAP)
+            DOT_FP32, PRECISION, QUANT, False, SOFTCAP, POOL_MAX)
     for it in tl.range(tl.maximum(full_iters, it_start), it_end, flatten=True):
         row_max, row_sum = _score_step(
             Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_ks, stride_kd, stride_kss, group_first,
             group_last, row_real, num_queries, kv_start, key_length, it, offs_row, offs_col, offs_d, d_ok,
             scale_log2, softcap_log2, row_max, row_sum, part_base, BLOCK_M, BLOCK_N, KEY_BLOCKS, GROUPS, STRIDE,
-            DOT_FP32, PRECISION, QUANT, True, SOFTCAP)
+            DOT_FP32, PRECISION, QUANT, True, SOFTCAP, POOL_MAX)
     stats = STATS + (index.to(tl.int64) * splits + split) * (2 * BLOCK_M)  # written even by an empty split
     tl.store(stats + offs_row, row_max)
     tl.store(stats + BLOCK_M + offs_row, row_sum)
@@ -245,10 +254,11 @@ def antidiagonal_block_scores(
     key_chunk: int | None = None,
     key_scale: torch.Tensor | None = None,
     softcap: float | None = None,
+    pool: str = "mean",
 ) -> torch.Tensor:
     """Triton version of :func:`hf_sparse.kernels.reference.antidiagonal_block_scores` (float32 output); an
     int8 ``key`` with its float32 ``key_scale`` ``[B, Hkv, Skv]`` is dequantised in registers; ``softcap`` caps
-    the scaled scores before the softmax."""
+    the scaled scores before the softmax; ``pool`` ("mean" or "max") pools each antidiagonal's products."""
     from .reference import num_query_tiles, num_row_blocks
 
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or query.shape[1] % key.shape[1]:
@@ -263,6 +273,8 @@ def antidiagonal_block_scores(
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
     softcap_log2, _ = softcap_sink_args(softcap, None, query)
+    if pool not in ("mean", "max"):
+        raise ValueError(f"pool must be 'mean' or 'max', got {pool!r}")
     if block_size % stride or stride & (stride - 1):
         raise ValueError(f"stride {stride} must be a power of two dividing block_size {block_size}")
     batch, q_heads, num_queries, dim = query.shape
@@ -302,11 +314,11 @@ def antidiagonal_block_scores(
                     query, key, key_scale, kv_start, part, stats,
                     *query.stride(), *key.stride(), *key_scale.stride(),
                     num_queries, key_length, q_offset, first_tile + start, count,
-                    scale / stride * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
+                    (scale if pool == "max" else scale / stride) * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
                     DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, SOFTCAP=softcap is not None,
-                    num_warps=_WARPS,
+                    POOL_MAX=pool == "max", num_warps=_WARPS,
                     num_stages=_STAGES,
                 )
                 _antidiagonal_masses_kernel[(programs * splits, batch * q_heads)](

@@ -32,7 +32,8 @@ class PLASMethod:
     ``dense_threshold(phase)`` and ``is_dense_layer(idx, n)``; ``select_prefill`` / ``select_decode`` taking
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
     int8) and, for PLAS and XAttention (the methods of ``attention.sparse_attention_forward``), the model's
-    attention logit ``softcap`` (None without), returning a :class:`BlockSelection`; methods whose config has
+    attention logit ``softcap`` (None without), and in prefill ``probe`` (True when the queries are the density
+    probe's sample of a longer prefill rather than its end), returning a :class:`BlockSelection`; methods whose config has
     ``dense_above_density`` also give ``selection_share(num_queries, head_dim)`` and
     ``density_floor(num_queries, key_length)`` for the density decision.
 
@@ -65,6 +66,7 @@ class PLASMethod:
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
+        probe: bool = False,
     ) -> BlockSelection:
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,

@@ -50,7 +50,10 @@ class XAttnMethod:
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
+        probe: bool = False,
     ) -> BlockSelection:
+        """``probe``: the queries are a sample of a longer prefill's (the density probe), not its end, so the
+        ``dense_last`` tail does not apply."""
         config = self.config
         block_size = config.block_size
         batch, _, num_queries, _ = query.shape
@@ -61,13 +64,14 @@ class XAttnMethod:
         tiles_per_chunk = num_tiles if config.prefill_chunk is None else config.prefill_chunk // block_size
         mask = torch.zeros(batch, kv_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
         # Every tile's (available, forced) at once: a few launches per call, not per chunk (1/Hkv of the mask).
-        available, forced = self._tile_blocks(num_queries, q_offset, kv_start.starts, 0, num_tiles, num_blocks)
+        available, forced = self._tile_blocks(num_queries, q_offset, kv_start.starts, 0, num_tiles, num_blocks,
+                                              0 if probe else config.dense_last)
         for first_tile in range(0, num_tiles, tiles_per_chunk):
             count = min(tiles_per_chunk, num_tiles - first_tile)
             mass = kernels.antidiagonal_block_scores(
                 query, key, scale=scale, q_offset=q_offset, kv_start=kv_start, block_size=block_size,
                 stride=config.stride, first_tile=first_tile, num_tiles=count, key_chunk=config.chunk_size,
-                key_scale=key_scale, softcap=softcap,
+                key_scale=key_scale, softcap=softcap, pool=config.pool,
             )
             chunk = slice(first_tile, first_tile + count)
             chosen = kernels.cumulative_threshold_select(
@@ -111,10 +115,11 @@ class XAttnMethod:
 
     def _tile_blocks(
         self, num_queries: int, q_offset: int, kv_start: torch.Tensor, first_tile: int, num_tiles: int,
-        num_blocks: int,
+        num_blocks: int, dense_last: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Boolean ``[B, n, nb]`` (available, forced) per query tile: available = row blocks starting at or
-        before the tile's last real query; forced = the sink block and the blocks holding the tile's queries."""
+        before the tile's last real query; forced = the sink block and the blocks holding the tile's queries, and
+        every available block of the tiles holding the call's last ``dense_last`` queries."""
         block_size = self.config.block_size
         device = kv_start.device
         pad_q = reference.padding_queries(num_queries, q_offset, kv_start)
@@ -131,6 +136,8 @@ class XAttnMethod:
             forced |= (block_ids >= first_own[..., None]) & (block_ids <= last_own[..., None])
         if self.config.keep_sink:
             forced |= block_ids == 0
+        if dense_last:  # tri-shape: the tiles holding the last queries keep every causal block
+            forced |= (last_query >= num_queries - dense_last)[..., None]
         return available, forced & available
 
     def _reduce_group(self, chosen: torch.Tensor, kv_heads: int) -> torch.Tensor:

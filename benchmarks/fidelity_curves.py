@@ -1,0 +1,127 @@
+"""Density / KL curves of sparse attention settings on the embedded SmolLM2-135M-Instruct, one prefill each.
+
+Each setting is a method name as in bench_generate.py ("xattn-threshold=0.8-pool=mean", "plas-prefill_top_k=[8:10]");
+every one runs sparse at any length and density (``dense_below=0``, ``dense_above_density=None`` are added). Input:
+the first ``--tokens`` tokens of the standard library's ``*.py`` files in sorted order (``hf_sparse.eval``'s text).
+Reported per setting: prefill density (attended / causal key blocks over the sparse layers), next-token
+KL(dense || sparse) and top-1 agreement over the last ``--last-n`` positions, and the KL at the last position alone.
+Runs on the CPU (PyTorch reference path) or the GPU; prints a Markdown table, writes JSON and a PNG (KL against
+density, one line per method family: the part of the name before the threshold or top-k option).
+
+    PYTHONPATH=. python benchmarks/fidelity_curves.py --tokens 8192 --png docs/fidelity_curves.png \
+        xattn-threshold=0.8 xattn-threshold=0.9 plas-prefill_top_k=[8:10] plas-prefill_top_k=[16:20]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import torch
+
+import hf_sparse
+from hf_sparse.default_model import load_default_model
+from hf_sparse.eval import stdlib_text
+
+from _common import sparse_config, table, write_json
+
+
+def family(name: str) -> str:
+    """The line a setting belongs to: its name without the threshold / top-k option."""
+    return re.sub(r"-(threshold|prefill_top_k)=[^-]*", "", name)
+
+
+def run(model, ids: torch.Tensor, name: str, dense_lp: torch.Tensor, last_n: int) -> dict:
+    config = sparse_config(f"{name}-dense_below=0-noprobe")
+    hf_sparse.configure(model, config)
+    start = time.perf_counter()
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        logits = model(ids, logits_to_keep=last_n).logits.float()
+    elapsed = time.perf_counter() - start
+    model.set_attn_implementation("sdpa")
+    sparse_lp = torch.log_softmax(logits, -1)
+    kl = (dense_lp.exp() * (dense_lp - sparse_lp)).sum(-1)[0]
+    return {"setting": name, "family": family(name), "density": rec.density("prefill"), "kl": kl.mean().item(),
+            "kl_last": kl[-1].item(), "top1": (dense_lp.argmax(-1) == sparse_lp.argmax(-1)).float().mean().item(),
+            "seconds": elapsed}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for name in dict.fromkeys(row["family"] for row in rows):
+        points = sorted((row["density"], row["kl"]) for row in rows if row["family"] == name)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefill density (attended / causal key blocks)")
+    ax.set_ylabel("next-token KL vs dense")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    import os
+
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("settings", nargs="*", help="method names (see the docstring)")
+    parser.add_argument("--replot", nargs="+", metavar="JSON", help="table and plot of earlier runs' JSON files")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--last-n", type=int, default=512)
+    parser.add_argument("--skip", type=int, default=0, help="start the input this many tokens into the text")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16 (default on CUDA)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args()
+    if args.replot:
+        import json
+
+        runs = [json.load(open(path)) for path in args.replot]
+        rows = [row for run in runs for row in run["rows"]]
+        report(rows, f"{runs[0]['tokens']} tokens", runs[0]["last_n"], args.png)
+        return
+    if not args.settings:
+        parser.error("name at least one setting (or --replot)")
+    for name in args.settings:
+        if sparse_config(name) is None:
+            parser.error(f"{name!r} is not a plas or xattn setting")
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
+    text = stdlib_text(6 * (args.tokens + args.skip))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, args.skip: args.skip + args.tokens].to(args.device)
+    if ids.shape[1] < args.tokens:
+        raise SystemExit(f"the text holds only {ids.shape[1]} tokens past --skip, fewer than {args.tokens}")
+    with torch.no_grad():
+        dense_lp = torch.log_softmax(model(ids, logits_to_keep=args.last_n).logits.float(), -1)
+    rows = []
+    for name in args.settings:
+        rows.append(run(model, ids, name, dense_lp, args.last_n))
+        print(f"{name}: density {rows[-1]['density']:.3f} KL {rows[-1]['kl']:.4f} ({rows[-1]['seconds']:.0f} s)",
+              flush=True)
+    if args.json:
+        write_json(args.json, {"tokens": args.tokens, "skip": args.skip, "last_n": args.last_n,
+                               "device": args.device, "dtype": str(dtype), "rows": rows})
+    report(rows, f"{args.tokens} tokens from {args.skip}, {dtype}, {args.device}", args.last_n, args.png)
+
+
+def report(rows: list[dict], what: str, last_n: int, png: str | None) -> None:
+    print(f"\nSmolLM2-135M-Instruct, {what}; KL and top-1 over the last {last_n} positions")
+    print(table([("setting", lambda r: r["setting"]), ("density", lambda r: f"{r['density']:.3f}"),
+                 ("KL", lambda r: f"{r['kl']:.4f}"), ("KL last", lambda r: f"{r['kl_last']:.4f}"),
+                 ("top-1", lambda r: f"{r['top1']:.3f}")], rows))
+    if png:
+        plot(rows, png, f"SmolLM2-135M, {what.split(',')[0]} of stdlib source, KL over the last {last_n}")
+
+
+if __name__ == "__main__":
+    main()
