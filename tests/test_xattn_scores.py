@@ -26,6 +26,26 @@ from hf_sparse.kernels import xattn_scores  # noqa: E402  (imports triton.langua
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def launch_shape(monkeypatch, rows: int, columns: int, split_steps: int) -> None:
+    """Query groups x key groups per program step and key steps per split, for this test only."""
+    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
+    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
+    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
+
+
+def small_inputs(seed: int, q_heads: int, kv_heads: int, head_dim: int, stride: int, q_offset: int, dtype,
+                 query_scale: float = 1.0):
+    """(query, key, kwargs) of 83 keys (not a multiple of the block size or the stride), two rows (the second
+    left-padded by 13), block size 16; the key a transposed BSND buffer (the kernel must honour strides)."""
+    generator = torch.Generator().manual_seed(seed)
+    length = 83
+    query = (torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator) * query_scale).to(DEVICE, dtype)
+    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
+                  block_size=16, stride=stride)
+    return query, key, kwargs
+
+
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, stride, q_offset, dtype", [
     (4, 2, 16, 4, 0, torch.float32),
     (4, 4, 32, 1, 21, torch.float32),
@@ -43,18 +63,11 @@ def test_scores_match_reference_small(q_heads, kv_heads, head_dim, stride, q_off
                                       split_steps, int8, monkeypatch):
     """Also with int8 keys and per-token scales (the int8 SparseCache), against the reference's dequantised
     scoring."""
-    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
-    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
-    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
+    launch_shape(monkeypatch, rows, columns, split_steps)
     if scratch is not None:
         monkeypatch.setattr(xattn_scores, "SCRATCH_BYTES", scratch)
-    generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset)
-    length = 83  # not a multiple of the block size or the stride
-    query = torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator).to(DEVICE, dtype)
-    # Key as a transposed BSND buffer: the kernel must honour strides.
-    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
-    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
-                  block_size=16, stride=stride)
+    query, key, kwargs = small_inputs(q_heads * 100 + head_dim + stride + q_offset, q_heads, kv_heads, head_dim,
+                                      stride, q_offset, dtype)
     if int8:
         key, kwargs["key_scale"] = ref.quantize_per_token(key)
         dequantized = ref.dequantize_per_token(key, kwargs["key_scale"])
@@ -78,15 +91,9 @@ def test_softcapped_scores_match_reference(q_heads, kv_heads, head_dim, stride, 
                                            split_steps, softcap, monkeypatch):
     """Gemma 2's softcapping: the scaled antidiagonal scores capped before the softmax (in the kernel's base 2),
     as the reference caps them; a small cap really changes the masses."""
-    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
-    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
-    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
-    generator = torch.Generator().manual_seed(q_heads * 100 + head_dim + stride + q_offset + int(softcap))
-    length = 83
-    query = (torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator) * 3).to(DEVICE, dtype)
-    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
-    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
-                  block_size=16, stride=stride)
+    launch_shape(monkeypatch, rows, columns, split_steps)
+    query, key, kwargs = small_inputs(q_heads * 100 + head_dim + stride + q_offset + int(softcap), q_heads, kv_heads,
+                                      head_dim, stride, q_offset, dtype, query_scale=3.0)
     expected = ref.antidiagonal_block_scores(query, key, softcap=softcap, **kwargs)
     out = xattn_scores.antidiagonal_block_scores(query, key, softcap=softcap, **kwargs)
     torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
@@ -108,15 +115,9 @@ def test_max_pooled_scores_match_reference(q_heads, kv_heads, head_dim, stride, 
                                            columns, split_steps, monkeypatch):
     """``pool="max"``: each antidiagonal's largest product, as the reference pools it; the masses differ from the
     mean's (stride > 1)."""
-    monkeypatch.setattr(xattn_scores, "_ROWS", rows)
-    monkeypatch.setattr(xattn_scores, "_COLUMNS", columns)
-    monkeypatch.setattr(xattn_scores, "_SPLIT_STEPS", split_steps)
-    generator = torch.Generator().manual_seed(q_heads * 10 + head_dim + stride + q_offset + 7)
-    length = 83
-    query = torch.randn(2, q_heads, length - q_offset, head_dim, generator=generator).to(DEVICE, dtype)
-    key = torch.randn(2, length, kv_heads, head_dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
-    kwargs = dict(scale=head_dim**-0.5, q_offset=q_offset, kv_start=torch.tensor([0, 13], device=DEVICE),
-                  block_size=16, stride=stride)
+    launch_shape(monkeypatch, rows, columns, split_steps)
+    query, key, kwargs = small_inputs(q_heads * 10 + head_dim + stride + q_offset + 7, q_heads, kv_heads, head_dim,
+                                      stride, q_offset, dtype)
     if int8:
         key, kwargs["key_scale"] = ref.quantize_per_token(key)
     expected = ref.antidiagonal_block_scores(query, key, pool="max", **kwargs)
