@@ -106,8 +106,8 @@ def main() -> None:
     rows = []
     for name in args.settings:
         rows.append(run(model, ids, name, dense_lp, args.last_n))
-        print(f"{name}: density {rows[-1]['density']:.3f} KL {rows[-1]['kl']:.4f} ({rows[-1]['seconds']:.0f} s)",
-              flush=True)
+        print(f"{name}: density {rows[-1]['density']:.3f} KL {rows[-1]['kl']:.4f} KL last {rows[-1]['kl_last']:.4f} "
+              f"({rows[-1]['seconds']:.0f} s)", flush=True)
     if args.json:
         write_json(args.json, {"tokens": args.tokens, "skip": args.skip, "last_n": args.last_n,
                                "device": args.device, "dtype": str(dtype), "rows": rows})
