@@ -28,7 +28,8 @@ from _common import sparse_config, table, write_json
 
 def family(name: str) -> str:
     """The line a setting belongs to: its name without the threshold / top-k option."""
-    return re.sub(r"-(threshold|prefill_top_k)=[^-]*", "", name)
+    line = re.sub(r"-(threshold|prefill_top_k)=[^-]*", "", name)
+    return line if "-" in line else f"{line} (other fields default)"
 
 
 def run(model, ids: torch.Tensor, name: str, dense_lp: torch.Tensor, last_n: int) -> dict:
@@ -46,22 +47,24 @@ def run(model, ids: torch.Tensor, name: str, dense_lp: torch.Tensor, last_n: int
             "seconds": elapsed}
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, last_n: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for name in dict.fromkeys(row["family"] for row in rows):
-        points = sorted((row["density"], row["kl"]) for row in rows if row["family"] == name)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefill density (attended / causal key blocks)")
-    ax.set_ylabel("next-token KL vs dense")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for ax, key, label in ((axes[0], "kl", f"next-token KL vs dense, mean over the last {last_n} positions"),
+                           (axes[1], "kl_last", "next-token KL vs dense at the last position")):
+        for name in dict.fromkeys(family(row["setting"]) for row in rows):
+            points = sorted((row["density"], row[key]) for row in rows if family(row["setting"]) == name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("prefill density (attended / causal key blocks)")
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=120)
@@ -120,7 +123,7 @@ def report(rows: list[dict], what: str, last_n: int, png: str | None) -> None:
                  ("KL", lambda r: f"{r['kl']:.4f}"), ("KL last", lambda r: f"{r['kl_last']:.4f}"),
                  ("top-1", lambda r: f"{r['top1']:.3f}")], rows))
     if png:
-        plot(rows, png, f"SmolLM2-135M, {what.split(',')[0]} of stdlib source, KL over the last {last_n}")
+        plot(rows, png, f"SmolLM2-135M-Instruct, {what.split(',')[0]} of the standard library's source", last_n)
 
 
 if __name__ == "__main__":
