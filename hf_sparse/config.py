@@ -268,7 +268,7 @@ class XAttnConfig(_MethodConfig):
         dense_last: the query tiles holding a prefill's last ``dense_last`` queries attend to every causal block
             (OpenVINO GenAI's "tri-shape"): the prompt's end, which the first generated token reads most, is then
             exact at about ``dense_last / N`` of dense attention's cost (at 8K on SmolLM2 the last position's KL
-            falls 0.0144 -> 0.0005 at threshold 0.8, docs/xattn.md); ``0`` = off.
+            falls 0.0065 -> 0.0010 at threshold 0.9, docs/xattn.md); ``0`` = off.
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``8 * block_size`` in prefill (where the density decision then weighs the scoring's cost) and
@@ -328,8 +328,8 @@ class XAttnConfig(_MethodConfig):
         stride = _as_int("stride", self.stride)
         if not _is_power_of_two(stride) or stride > block_size:
             raise ValueError(f"stride must be a power of two in [1, block_size={block_size}], got {stride}")
-        if self.pool not in ("max", "mean"):
-            raise ValueError(f"pool must be 'max' or 'mean', got {self.pool!r}")
+        if self.pool not in ("mean", "max"):
+            raise ValueError(f"pool must be 'mean' or 'max', got {self.pool!r}")
         for name in ("threshold", "decode_threshold"):
             value = getattr(self, name)
             if value is None and name == "decode_threshold":

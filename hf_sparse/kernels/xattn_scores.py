@@ -287,6 +287,7 @@ def antidiagonal_block_scores(
     if num_tiles <= 0 or num_blocks <= 0:
         return out
     groups = block_size // stride
+    score_scale = scale if pool == "max" else scale / stride  # the mean's 1/S folded into the softmax scale
     dot_fp32, precision = dot_settings(query.dtype)
     key_scale, _ = scale_args(key_scale, None, key)
     # About 64 query groups x 128 key groups per step (at least 16 each, as tl.dot needs); halved on
@@ -314,7 +315,7 @@ def antidiagonal_block_scores(
                     query, key, key_scale, kv_start, part, stats,
                     *query.stride(), *key.stride(), *key_scale.stride(),
                     num_queries, key_length, q_offset, first_tile + start, count,
-                    (scale if pool == "max" else scale / stride) * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
+                    score_scale * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
                     DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, SOFTCAP=softcap is not None,
