@@ -33,8 +33,8 @@ class PLASMethod:
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
     int8) and, for PLAS and XAttention (the methods of ``attention.sparse_attention_forward``), the model's
     attention logit ``softcap`` (None without), and in prefill ``probe`` (True when the queries are the density
-    probe's sample of a longer prefill rather than its end), returning a :class:`BlockSelection`; methods whose config has
-    ``dense_above_density`` also give ``selection_share(num_queries, head_dim)`` and
+    probe's sample of a longer prefill rather than its end), returning a :class:`BlockSelection`; methods whose
+    config has ``dense_above_density`` also give ``selection_share(num_queries, head_dim)`` and
     ``density_floor(num_queries, key_length)`` for the density decision.
 
     PLAS ignores ``softcap``: it ranks each query's blocks by ``q . Kc`` and keeps the top ``m`` for an ``m`` in
