@@ -317,15 +317,16 @@ METHOD_OPTIONS = {
 
 
 def sparse_config(method: str):
-    """The hf_sparse config a method name asks for (``PLASConfig`` / ``XAttnConfig`` defaults plus its
+    """The hf_sparse config a method name asks for (``PLASConfig`` / ``XAttnConfig`` / ``StarConfig`` defaults plus its
     :data:`METHOD_OPTIONS` and ``field=value`` options, e.g. "plas-query_union=64"), or None for the dense ones
     ("sdpa", "sdpa-static")."""
     import json
 
     import hf_sparse
 
+    classes = {"plas": hf_sparse.PLASConfig, "xattn": hf_sparse.XAttnConfig, "star": hf_sparse.StarConfig}
     name, *options = method.split("-")
-    if name not in ("plas", "xattn"):
+    if name not in classes:
         return None
     fields = {}
     for option in options:
@@ -335,7 +336,7 @@ def sparse_config(method: str):
             fields[field] = tuple(parsed) if isinstance(parsed, list) else parsed
         else:
             fields.update(METHOD_OPTIONS[option])
-    return (hf_sparse.PLASConfig if name == "plas" else hf_sparse.XAttnConfig)(**fields)
+    return classes[name](**fields)
 
 
 def method_name(value: str) -> str:
@@ -343,7 +344,7 @@ def method_name(value: str) -> str:
     if value not in ("sdpa", "sdpa-static"):
         try:
             if sparse_config(value) is None:
-                raise ValueError("not plas or xattn")
+                raise ValueError("not plas, xattn or star")
         except (ValueError, KeyError, TypeError) as error:
             raise argparse.ArgumentTypeError(f"{value!r}: {error}") from None
     return value

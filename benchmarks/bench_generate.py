@@ -19,14 +19,14 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
 * density: attended / causal key blocks of the sparse prefill layers and of the decode steps, from one more,
   untimed generate(max_new_tokens=8) under hf_sparse.record_sparsity() (--no-density skips it); 1.000 = every
   layer ran dense.
-* --fidelity: next-token KL(sdpa || method) and top-1 agreement over the prompt's last 256 positions
-  (hf_sparse.eval.fidelity).
+* --fidelity: next-token KL(sdpa || method) and top-1 agreement over the prompt's last 256 positions, and KL at
+  the last one (hf_sparse.eval.fidelity).
 * "= sdpa": the leading new tokens (of the largest N) equal to sdpa's.
 
-Methods (--methods): "sdpa" (dynamic cache, eager decode); "sdpa-static" (above); "plas", "xattn" (their configs'
-defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False),
-"-int8" (int8 K/V cache) and "-FIELD=VALUE" (a config field) variants of those two, e.g. "plas-eager",
-"xattn-int8", "plas-query_union=64", "plas-prefill_top_k=[40:48]". Each method starts without what an earlier
+Methods (--methods): "sdpa" (dynamic cache, eager decode); "sdpa-static" (above); "plas", "xattn", "star" (their
+configs' defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False),
+"-int8" (int8 K/V cache; plas and xattn) and "-FIELD=VALUE" (a config field) variants of those, e.g. "plas-eager",
+"xattn-int8", "plas-query_union=64", "plas-prefill_top_k=[40:48]", "star-block_size=8192". Each method starts without what an earlier
 one kept (hf_sparse.graphs.release): the static cache and graphs a method keeps between its own calls count in
 its peak. --batch N repeats the prompt N times (peak memory and TPOT of a batch).
 
@@ -61,7 +61,7 @@ from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
 
 METHODS = ["sdpa", "sdpa-static"] + [f"{name}{option}" for name in ("plas", "xattn")
-                                     for option in ("", "-eager", "-int8", "-eager-int8")]
+                                     for option in ("", "-eager", "-int8", "-eager-int8")] + ["star", "star-eager"]
 DEFAULT_LENGTHS = {"smollm2": [4096, 8192, 16384, 32768, 65536, 131072]}
 
 
@@ -133,6 +133,8 @@ def densities(model, ids: torch.Tensor, method: str) -> tuple[float, float]:
     use_method(model, method)
     with record_sparsity() as recorder:
         timed_generate(model, ids, 8)
+    if method.startswith("star"):  # its context encoding, then global attention
+        return recorder.density("context"), recorder.density("query")
     return recorder.density("prefill"), recorder.density("decode")
 
 
@@ -166,11 +168,12 @@ def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: 
     columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
                 ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens
                                                        if n in r["captures_per_call"]) or "-"),
-                ("peak GiB", lambda r: f"{r['peak_gib']:.1f}"), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
+                ("peak GiB", lambda r: f"{r['peak_gib']:.2f}"), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
                 ("density prefill", lambda r: cell(r.get("prefill_density"), ".3f")),
                 ("decode", lambda r: cell(r.get("decode_density"), ".3f"))]
     if any("kl" in row for row in rows):
-        columns += [("KL", lambda r: cell(r.get("kl"), ".4f")), ("top-1", lambda r: cell(r.get("top1"), ".3f"))]
+        columns += [("KL", lambda r: cell(r.get("kl"), ".4f")), ("KL last", lambda r: cell(r.get("kl_last"), ".4f")),
+                    ("top-1", lambda r: cell(r.get("top1"), ".3f"))]
     columns.append(("= sdpa", lambda r: f"{cell(r.get('same_tokens_as_sdpa'), 'd')} of {len(r['tokens'])}"))
     print(table(columns, rows))
     for row in rows:
@@ -232,7 +235,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+",
                         help="prompt lengths (default: 4096 .. 131072 for smollm2, else 32768 131072)")
     parser.add_argument("--methods", nargs="+", type=method_name, default=["sdpa", "sdpa-static", "plas", "xattn"],
-                        metavar="METHOD", help=f"{', '.join(METHODS)}, or plas / xattn with -FIELD=VALUE options "
+                        metavar="METHOD", help=f"{', '.join(METHODS)}, or plas / xattn / star with -FIELD=VALUE options "
                                               "(default: %(default)s)")
     parser.add_argument("--tpot-tokens", "--new-tokens", type=int, nargs="+", default=[16, 256],
                         help="TPOT over each of these numbers of new tokens (default: %(default)s)")
@@ -283,7 +286,7 @@ def main() -> None:
                 row["prefill_density"], row["decode_density"] = densities(model, ids, method)
             if sparse and args.fidelity:
                 report = fidelity(model, ids, use_method(model, method), last_n=256, with_recall=False)
-                row["kl"], row["top1"] = report.kl, report.top1_agreement
+                row["kl"], row["kl_last"], row["top1"] = report.kl, report.kl_last, report.top1_agreement
             progress(" ".join(f"{key}={value}" for key, value in row.items() if key not in ("tokens", "config")))
         if args.ttft_rounds:
             ttft = interleaved_ttft(model, ids, args.methods, args.ttft_rounds)

@@ -105,14 +105,14 @@ def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, 
     return {name: value for name, value in (("softcap", softcap), ("sinks", sinks)) if value is not None}
 
 
-def static_decode(method: str, phase: str, cache_layer: Any, config: Any, query: torch.Tensor) -> bool:
-    """Whether a call reads the key length on the device: PLAS or XAttention decode over a static
-    :class:`~hf_sparse.SparseCache` layer (float or int8 K/V) on the Triton path. Such a call depends on no host
+def static_decode(phase: str, cache_layer: Any, block_size: int, query: torch.Tensor) -> bool:
+    """Whether a call reads the key length on the device: decode over a static :class:`~hf_sparse.SparseCache`
+    layer (float or int8 K/V) of the method's ``block_size`` on the Triton path. Such a call depends on no host
     length, so it replays correctly under a CUDA graph (PLAS reads nothing back to the host; XAttention's
-    selection is device-side torch ops plus the threshold kernel)."""
-    return (method in ("plas", "xattn") and phase == "decode" and cache_layer is not None
-            and getattr(cache_layer, "static", False)
-            and cache_layer.row_layout is not None and cache_layer.block_size == config.block_size
+    selection is device-side torch ops plus the threshold kernel; Star's global decode and every dense layer
+    attend to all blocks, :func:`all_blocks_decode`)."""
+    return (phase == "decode" and cache_layer is not None and getattr(cache_layer, "static", False)
+            and cache_layer.row_layout is not None and cache_layer.block_size == block_size
             and kernels.backend_for(query) == "triton")
 
 
@@ -141,6 +141,19 @@ def all_blocks_selection(cache_layer: Any, kv_heads: int, num_queries: int) -> B
     return BlockSelection(indices=ids.expand(starts.shape[0], kv_heads, 1, num_blocks),
                           counts=counts[:, None, None].expand(starts.shape[0], kv_heads, 1),
                           block_size=block_size, query_tile=num_queries)
+
+
+def all_blocks_decode(query: torch.Tensor, cache_layer: Any, scale: float, logn_base: int | None,
+                      extras: dict[str, Any]) -> torch.Tensor:
+    """Decode queries ``[B, Hq, Sq, D]`` over every valid block of a static layer (lengths read on the device), as
+    ``[B, Sq, Hq, Dv]``: a dense layer's or Star's global decode step under a CUDA graph (sdpa would take the
+    host's length, which a graph cannot replay). ``extras``: the kernels' softcap / sinks."""
+    selection = all_blocks_selection(cache_layer, cache_layer.key_storage.shape[1], query.shape[2])
+    output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
+                                         scale=scale, q_offset=0, kv_start=cache_layer.row_layout,
+                                         logn_base=logn_base, length=cache_layer.device_length,
+                                         **static_scales(cache_layer), **extras)
+    return output.transpose(1, 2).contiguous()
 
 
 def sparse_attention_forward(
@@ -183,19 +196,13 @@ def sparse_attention_forward(
     # A sliding-window layer attends inside its window, dense, exactly as transformers' sdpa path (on the host's
     # length: models with such layers decode without CUDA graphs, graphs.window_layers).
     window = kwargs.get("sliding_window")
-    on_device = window is None and static_decode(method, phase, cache_layer, config, query)
+    on_device = window is None and static_decode(phase, cache_layer, config.block_size, query)
     below = key_length < config.dense_threshold(phase)
     if on_device and (below or config.is_dense_layer(layer_idx, num_layers)):
-        # A dense layer, or a short sequence, in a static decode step: every valid block through the decode
-        # kernel (sdpa would take the host's length, which a CUDA graph cannot replay).
+        # A dense layer, or a short sequence, in a static decode step: every valid block through the decode kernel.
         if recording():
             record(LayerRecord(layer_idx, phase, f"length {key_length} < dense_below" if below else "dense_layers"))
-        selection = all_blocks_selection(cache_layer, key.shape[1], num_queries)
-        output, _ = kernels.sparse_attention(query, cache_layer.key_storage, cache_layer.value_storage, selection,
-                                             scale=scale, q_offset=0, kv_start=cache_layer.row_layout,
-                                             logn_base=logn_base, length=cache_layer.device_length,
-                                             **static_scales(cache_layer), **extras)
-        return output.transpose(1, 2).contiguous(), None
+        return all_blocks_decode(query, cache_layer, scale, logn_base, extras), None
 
     reason = None
     if window is not None:

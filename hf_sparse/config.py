@@ -396,6 +396,10 @@ class StarConfig(_MethodConfig):
             ``position_ids``, so context shards on other ranks scale by their global positions) is scaled by
             ``max(1, log(n) / log(m))`` in both phases.
         logn_base: the training length ``m``; ``None`` = the model config's ``max_position_embeddings``.
+        decode_cuda_graph: as :class:`PLASConfig`'s: on CUDA ``generate()`` keeps K/V in a static SparseCache and
+            replays each decode step (global attention: every block, through the decode kernel, lengths read on
+            the device) from a captured CUDA graph; ``False`` decodes eagerly (sdpa over the cache).
+        decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
     """
 
     block_size: int = 4096
@@ -405,6 +409,8 @@ class StarConfig(_MethodConfig):
     dense_below: int | None = None
     logn_scaling: bool = False
     logn_base: int | None = None
+    decode_cuda_graph: bool = True
+    decode_compile: bool = True
     method: str = field(default="star", init=False)
 
     def __post_init__(self) -> None:
@@ -423,6 +429,7 @@ class StarConfig(_MethodConfig):
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
         _check_logn(self)
+        _check_flags(self, "decode_cuda_graph", "decode_compile")
 
     @property
     def kernel_block_size(self) -> int:

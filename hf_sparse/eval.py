@@ -50,6 +50,7 @@ class FidelityReport:
     positions: int
     kl: float
     top1_agreement: float
+    kl_last: float  # at the last position (the prompt's next token; Star's query phase)
     density: float
     recall: float
     layers: list[LayerFidelity] = field(default_factory=list)
@@ -58,8 +59,8 @@ class FidelityReport:
         """A plain-text table (what ``hf-sparse eval`` prints)."""
         lines = [
             f"tokens {self.num_tokens}, positions scored {self.positions}",
-            f"next-token KL(dense||sparse) {self.kl:.5f}   top-1 agreement {self.top1_agreement:.4f}   "
-            f"density {self.density:.3f}   recall {self.recall:.4f}",
+            f"next-token KL(dense||sparse) {self.kl:.5f}   at the last position {self.kl_last:.5f}   "
+            f"top-1 agreement {self.top1_agreement:.4f}   density {self.density:.3f}   recall {self.recall:.4f}",
             f"{'layer':>5} {'density':>8} {'recall':>8} {'attn KL':>8}  note",
         ]
         for layer in self.layers:
@@ -76,6 +77,7 @@ def compare_table(reports: dict[str, "FidelityReport"]) -> str:
     lines = [f"tokens {first.num_tokens}, positions scored {first.positions}",
              f"{'':<30}" + "".join(f"{name:>{width + 2}}" for name in names)]
     for label, value in (("next-token KL(dense||sparse)", lambda r: f"{r.kl:.5f}"),
+                         ("KL at the last position", lambda r: f"{r.kl_last:.5f}"),
                          ("top-1 agreement", lambda r: f"{r.top1_agreement:.4f}"),
                          ("density", lambda r: f"{r.density:.3f}"), ("recall", lambda r: f"{r.recall:.4f}")):
         lines.append(f"{label:<30}" + "".join(f"{value(reports[name]):>{width + 2}}" for name in names))
@@ -146,7 +148,8 @@ def fidelity(model: Any, input_ids: torch.Tensor, config: Any = None, last_n: in
     """Compare the model's next-token distributions with ``config``'s sparse attention (a PLASConfig, the
     default, XAttnConfig or StarConfig) against dense sdpa.
 
-    KL and top-1 agreement are taken over the last ``last_n`` positions of every row; density and recall
+    KL and top-1 agreement are taken over the last ``last_n`` positions of every row (``kl_last``: KL at the last
+    one, the prompt's next token); density and recall
     over all sparse prefill layers (``with_recall=False`` skips the dense attention pass that recall
     needs and reports recall as NaN). The model's own attention setting is restored afterwards.
     """
@@ -154,11 +157,12 @@ def fidelity(model: Any, input_ids: torch.Tensor, config: Any = None, last_n: in
     positions = min(last_n, input_ids.shape[1])
     with _attention(model, "sdpa"):
         dense_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
-    with _attention(model, config.method, config), record_sparsity(keep_inputs=True) as recorder:
+    with _attention(model, config.method, config), record_sparsity(keep_inputs=with_recall) as recorder:
         sparse_logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits.float()
     dense_lp = torch.log_softmax(dense_logits[:, -positions:], dim=-1)
     sparse_lp = torch.log_softmax(sparse_logits[:, -positions:], dim=-1)
-    kl = (dense_lp.exp() * (dense_lp - sparse_lp)).sum(-1).mean().item()
+    kl_per_position = (dense_lp.exp() * (dense_lp - sparse_lp)).sum(-1)
+    kl, kl_last = kl_per_position.mean().item(), kl_per_position[:, -1].mean().item()
     top1 = (dense_lp.argmax(-1) == sparse_lp.argmax(-1)).float().mean().item()
     layers = []
     attended = causal = 0.0
@@ -174,6 +178,6 @@ def fidelity(model: Any, input_ids: torch.Tensor, config: Any = None, last_n: in
     sparse_layers = [layer for layer in layers if layer.dense_reason is None]
     mean_recall = sum(layer.recall for layer in sparse_layers) / len(sparse_layers) if sparse_layers else 1.0
     return FidelityReport(
-        num_tokens=input_ids.shape[1], positions=positions, kl=kl, top1_agreement=top1,
+        num_tokens=input_ids.shape[1], positions=positions, kl=kl, top1_agreement=top1, kl_last=kl_last,
         density=attended / causal if causal else 1.0, recall=mean_recall, layers=layers,
     )

@@ -1,7 +1,7 @@
 """CUDA-graph decode inside ``generate()``: each decode step of a static SparseCache replays one captured forward.
 
 Eager decode is bound by the host: a 32-layer model launches hundreds of kernels per token from Python. Over a
-static :class:`~hf_sparse.SparseCache` the PLAS and XAttention decode paths read every length on the device
+static :class:`~hf_sparse.SparseCache` the PLAS, XAttention and Star decode paths read every length on the device
 (:func:`hf_sparse.attention.static_decode`), so one captured forward is valid for every later step of the same
 sequence. :class:`DecodeGraphs` wraps a model's ``forward`` for the length of one ``generate()`` call
 (:func:`install` from the cache hook, :func:`uninstall` when generate() returns): the first qualifying decode call
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: Attention implementations whose decode over a static SparseCache reads no host length
 #: (:func:`hf_sparse.attention.static_decode`), so one captured step replays for every later one.
-GRAPH_METHODS = ("plas", "xattn")
+GRAPH_METHODS = ("plas", "xattn", "star")
 
 #: Keyword arguments a captured forward takes; a call with any other runs eagerly.
 _ACCEPTED = {"input_ids", "position_ids", "attention_mask", "use_cache", "return_dict", "logits_to_keep",

@@ -79,7 +79,7 @@ def _static_cache_length(generation_config: Any, args: tuple, kwargs: dict) -> i
 
 def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tuple, kwargs: dict) -> int | None:
     """Tokens a static cache must hold for CUDA-graph decode of this ``generate()`` call, or None when graphs
-    do not apply (not PLAS or XAttention, turned off, not CUDA with the Triton kernels)."""
+    do not apply (not one of graphs.GRAPH_METHODS, turned off, not CUDA with the Triton kernels)."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in graphs.GRAPH_METHODS:
         return None

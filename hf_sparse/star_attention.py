@@ -31,7 +31,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import DECODE_MAX_QUERY, SUPPORTED_DTYPES, check_supported, method_config
+from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, check_supported, method_config,
+                        static_decode)
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
 from .padding import padding_layout
@@ -101,12 +102,14 @@ def star_attention_forward(
     check_supported(kwargs, key_length, implementation="star")  # softcap, s_aux, windows: refused by name
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
-    cache_layer = getattr(key, LAYER_ATTR, None) if key.dtype == torch.int8 else None
+    layer = getattr(key, LAYER_ATTR, None)
+    cache_layer = layer if key.dtype == torch.int8 else None
     if key.dtype == torch.int8 and cache_layer is None:
         raise TypeError("int8 keys reach the Star attention only from an int8 SparseCache (it holds their scales)")
-    if cache_layer is not None and cache_layer.row_layout is None:  # the padding picks the int8 values' layout
-        cache_layer.set_padding(padding_layout(attention_mask, batch, key.shape[2], query.device, validate=False))
-        value = cache_layer.values
+    if (cache_layer is not None or getattr(layer, "static", False)) and layer.row_layout is None:
+        # The padding picks the int8 values' layout; a static layer keeps it for its decode steps.
+        layer.set_padding(padding_layout(attention_mask, batch, key.shape[2], query.device, validate=False))
+        value = layer.values if cache_layer is not None else value
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
     run = _RUN.get()
@@ -115,6 +118,12 @@ def star_attention_forward(
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     logn_base = logn_base_for(config, module.config)
+    phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
+    if run is None and not dropout and static_decode(phase, layer, config.kernel_block_size, query):
+        # Generation over a static cache (CUDA-graph decode): global attention over every block, lengths and
+        # logN positions read on the device.
+        _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
+        return all_blocks_decode(query, layer, scale, logn_base, {}), None
     if logn_base is not None:  # a positive factor per query: the same in every phase, kernel and rank
         # by true positions (the model's position_ids): global ones on every rank
         query = logn_scaled(query, attention_mask, key_length, logn_base, kwargs.get("position_ids"))

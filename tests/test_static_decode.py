@@ -378,6 +378,34 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
         assert torch.equal(static, dynamic)
 
 
+@pytest.mark.parametrize("kv_dtype, logn", [("auto", False), ("int8", False), ("auto", True)])
+def test_star_static_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
+    """Star's generation over a static cache (its CUDA-graph path: global attention over every block through the
+    decode kernel, lengths and logN positions read on the device) gives the dynamic cache's logits (sdpa, or the
+    int8 kernels), left-padded, across block boundaries; on the PyTorch path it is the dynamic path exactly."""
+    from hf_sparse import star_attention
+
+    model = build(tiny_config(layers=3), "star").to(DEVICE)
+    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, logn_scaling=logn,
+                                                    logn_base=32 if logn else None))
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    calls = []
+    original = star_attention.all_blocks_decode
+    monkeypatch.setattr(star_attention, "all_blocks_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    steps = 12  # both rows cross a 16-token block boundary
+    dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
+    assert not calls
+    static = decode_logits(model, SparseCache(model.config, max_cache_len=90, kv_dtype=kv_dtype), ids, mask, steps)
+    if kernels.backend_for(ids.float()) == "triton":
+        assert len(calls) == steps * 3  # every layer of every decode step
+        torch.testing.assert_close(static, dynamic, atol=1e-4, rtol=1e-4)
+    else:
+        assert not calls and torch.equal(static, dynamic)
+
+
 @needs_triton
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 def test_static_decode_after_a_dense_prefill(method):
@@ -485,6 +513,37 @@ def test_generate_with_cuda_graphs_equals_eager(method, dtype, kv_dtype):
     new = slice(ids.shape[1], None)
     assert torch.equal(runs[True][:, new][:, :8], runs[False][:, new][:, :8])
     assert (runs[True][:, new] == runs[False][:, new]).float().mean().item() > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_star_generate_with_cuda_graphs_equals_eager(kv_dtype):
+    """Star's generate() on CUDA decodes through CUDA-graph replays (global attention over every block), with the
+    tokens of its eager decode; a second call replays the graph kept with generate()'s own static cache."""
+    from hf_sparse.cache import CACHE_KWARG
+
+    model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "star").to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :17] = 0
+
+    def run(graphs: bool):
+        hf_sparse.configure(model, hf_sparse.StarConfig(block_size=128, anchor_size=64, decode_cuda_graph=graphs))
+        cache = {} if kv_dtype == "auto" else {CACHE_KWARG: SparseCache(model.config, max_cache_len=330,
+                                                                         kv_dtype=kv_dtype)}
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                              **cache)
+
+    eager, graphed = run(False), run(True)
+    stats = hf_sparse.graphs.stats(model)
+    assert stats is not None and stats.disabled_reason is None and stats.captures == 1 and stats.replays == 22
+    new = slice(ids.shape[1], None)
+    assert torch.equal(graphed[:, new][:, :8], eager[:, new][:, :8])
+    if kv_dtype == "auto":
+        assert torch.equal(run(True), graphed)
+        assert stats.captures == 1 and stats.replays == 22 + 23
+    hf_sparse.graphs.release(model)
 
 
 @pytest.mark.gpu
