@@ -101,7 +101,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def _check_dense_above_density(config: Any) -> None:
-    """Validate the ``dense_above_density`` field shared by the PLAS and XAttention configs."""
+    """Validate the ``dense_above_density`` field shared by the method configs."""
     value = config.dense_above_density
     if value is None:
         return
@@ -392,6 +392,11 @@ class StarConfig(_MethodConfig):
             end (-1 = last).
         dense_below: contexts shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``block_size``: a context of one block is exactly dense anyway.
+        dense_above_density: one process only: a context whose phase-1 pattern keeps more than this fraction of
+            the causal key blocks (``StarMethod.context_density``: from the context length, block and anchor
+            sizes alone, no device read) runs dense (sdpa, exact), where the sparse kernel is no faster than
+            dense attention. Measured on the H100 (SmolLM2-135M, docs/star.md): a pattern keeping 0.625 of the
+            blocks gave 0.67-0.87x sdpa's TTFT, one keeping 0.344 gave 1.11-1.43x. ``None``: never.
         logn_scaling: Qwen-style logN scaling: the query at true position ``n`` (1-based, from the model's
             ``position_ids``, so context shards on other ranks scale by their global positions) is scaled by
             ``max(1, log(n) / log(m))`` in both phases.
@@ -407,6 +412,7 @@ class StarConfig(_MethodConfig):
     query_tokens: int = 1
     dense_layers: tuple[int, ...] = ()
     dense_below: int | None = None
+    dense_above_density: float | None = 0.4
     logn_scaling: bool = False
     logn_base: int | None = None
     decode_cuda_graph: bool = True
@@ -429,6 +435,7 @@ class StarConfig(_MethodConfig):
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
         _check_logn(self)
+        _check_dense_above_density(self)
         _check_flags(self, "decode_cuda_graph", "decode_compile")
 
     @property

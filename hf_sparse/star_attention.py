@@ -95,7 +95,8 @@ def star_attention_forward(
 
     Without :func:`generate` around it, a call without a past (``key_length == query_length``) is a prompt: its
     last ``config.query_tokens`` tokens are the query, the rest the context; a call with a past is all query
-    (generation). Contexts shorter than ``config.dense_threshold`` and ``dense_layers`` run dense (sdpa).
+    (generation). Contexts shorter than ``config.dense_threshold``, contexts whose pattern keeps more than
+    ``config.dense_above_density`` of the causal blocks (one process) and ``dense_layers`` run dense (sdpa).
     """
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
@@ -155,6 +156,11 @@ def star_attention_forward(
         reason = "dense_layers"
     elif context_length < config.dense_threshold(CONTEXT_PHASE):
         reason = f"context {context_length} < dense_below {config.dense_threshold(CONTEXT_PHASE)}"
+    elif config.dense_above_density is not None and not (run is not None and run.sharded):
+        density = StarMethod(config).context_density(context_queries)
+        if density > config.dense_above_density:
+            reason = f"the pattern keeps {density:.3f} of the causal blocks > dense_above_density " \
+                     f"{config.dense_above_density}"
     if reason is not None:
         logger.debug("layer %d: dense (%s)", layer_idx, reason)
         _record_dense(layer_idx, CONTEXT_PHASE, reason)

@@ -244,7 +244,7 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
     monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
     model = build(tiny_config("llama", 8, 2, head_dim=32), "star")
     hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, query_tokens=5, dense_below=0,
-                                                    dense_layers=(1,)))
+                                                    dense_above_density=None, dense_layers=(1,)))
     torch.manual_seed(7)
     ids = torch.randint(3, 128, (2, 110))
     mask = torch.ones_like(ids)

@@ -119,7 +119,8 @@ def test_context_selection_is_anchor_plus_own_block(prefix):
 @pytest.mark.parametrize("block_size, anchor_size", [(32, 32), (32, 16)])
 def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size):
     config = tiny_config("llama", *heads)
-    star_config = StarConfig(block_size=block_size, anchor_size=anchor_size, query_tokens=7, dense_below=0)
+    star_config = StarConfig(block_size=block_size, anchor_size=anchor_size, query_tokens=7, dense_below=0,
+                             dense_above_density=None)
     model = star_model(config, star_config)
     name = f"star_reference_{block_size}_{anchor_size}"
     AttentionInterface.register(name, _reference_attention(star_config))
@@ -142,6 +143,38 @@ def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size):
         assert (dense(ids, attention_mask=mask).logits[real] - got[real]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("num_queries, block_size, anchor_size", [(100, 32, 16), (257, 64, 64), (1000, 128, 32),
+                                                                   (4095, 512, 128), (31, 32, 32)])
+def test_context_density_is_the_selections(num_queries, block_size, anchor_size):
+    """StarMethod.context_density (host arithmetic) equals the attended / causal tiles of the selection itself."""
+    method = StarMethod(StarConfig(block_size=block_size, anchor_size=anchor_size))
+    selection = method.context_selection(1, 1, num_queries, torch.device("cpu"))
+    tiles = selection.counts.shape[-1]
+    causal = tiles * (tiles + 1) / 2
+    assert method.context_density(num_queries) == pytest.approx(selection.counts.sum().item() / causal)
+
+
+def test_a_dense_pattern_runs_dense():
+    """A context whose pattern keeps more than dense_above_density of the causal blocks runs sdpa (bit-equal), and
+    says why; below the threshold (or with None) phase 1 runs its pattern."""
+    config = tiny_config("llama", 4, 2)
+    dense = build(config, "sdpa")
+    ids = torch.randint(3, 128, (1, 129), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = dense(ids).logits
+    for threshold, runs_dense in ((0.4, True), (0.6, True), (0.8, False), (None, False)):
+        # block 32 = anchor over 128 context tokens: 4 context blocks of one tile, the pattern keeps 7 of 10 tiles
+        model = star_model(config, StarConfig(block_size=32, anchor_size=32, dense_above_density=threshold))
+        with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+            got = model(ids).logits
+        reasons = recorder.dense_layers("context")
+        assert (set(reasons) == {0, 1}) == runs_dense
+        if runs_dense:
+            assert torch.equal(got, want) and "keeps 0.700" in reasons[0]
+        else:
+            assert not torch.equal(got, want)
+
+
 def test_logn_scaling_scales_each_query_by_its_true_position():
     """logN on the Star path equals the explicit-mask reference on queries scaled by their row positions, and
     star_attention.generate (positions passed per phase) equals a plain generate() with it."""
@@ -150,7 +183,7 @@ def test_logn_scaling_scales_each_query_by_its_true_position():
     from hf_sparse.kernels import reference as ref
 
     config = tiny_config("llama", 8, 2)
-    star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=7, dense_below=0, logn_scaling=True,
+    star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=7, dense_below=0, dense_above_density=None, logn_scaling=True,
                              logn_base=16)
     model = star_model(config, star_config)
     unscaled = dataclasses.replace(star_config, logn_scaling=False, logn_base=None)
@@ -204,7 +237,7 @@ def test_short_context_is_bit_equal_to_sdpa():
 def test_star_generate_equals_plain_generate_with_the_same_split():
     config = tiny_config("llama", 8, 2)
     query_tokens = 6
-    star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=query_tokens)
+    star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=query_tokens, dense_above_density=None)
     model = star_model(config, star_config)
     torch.manual_seed(2)
     ids = torch.randint(3, 128, (2, 156))
@@ -247,7 +280,8 @@ def test_generate_errors():
 
 
 # -- two processes (gloo) ---------------------------------------------------------------------------------------
-DIST_CONFIG = dict(block_size=32, anchor_size=16, logn_scaling=True, logn_base=16)  # logN: global positions per rank
+DIST_CONFIG = dict(block_size=32, anchor_size=16, logn_scaling=True, logn_base=16,  # logN: global positions per rank
+                   dense_above_density=None)
 DIST_CONTEXT, DIST_QUERY, DIST_NEW = 150, 6, 8
 DIST_TIMEOUT_S = 150
 

@@ -386,7 +386,7 @@ def test_star_static_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
     from hf_sparse import star_attention
 
     model = build(tiny_config(layers=3), "star").to(DEVICE)
-    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, logn_scaling=logn,
+    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, dense_above_density=None, logn_scaling=logn,
                                                     logn_base=32 if logn else None))
     gen = torch.Generator().manual_seed(6)
     ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)

@@ -6,6 +6,8 @@ kernel block long: a tile lists only the blocks up to its own (no work above the
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import StarConfig
@@ -14,6 +16,18 @@ from ..selection import BlockSelection, RowLayout
 
 def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_density(num_tiles: int, anchor_blocks: int, blocks_per_context_block: int) -> float:
+    """Attended / causal blocks of the phase-1 pattern over ``num_tiles`` one-block query tiles (no prefix)."""
+    attended = causal = 0
+    for tile in range(num_tiles):
+        first_own = tile - tile % blocks_per_context_block
+        # The first context block holds the anchor: its tiles attend causally; later tiles attend the anchor too.
+        attended += tile + 1 if first_own == 0 else anchor_blocks + tile - first_own + 1
+        causal += tile + 1
+    return attended / causal if causal else 1.0
 
 
 class StarMethod:
@@ -59,6 +73,15 @@ class StarMethod:
         mask = causal & (own | anchor)
         width = min(num_tiles, anchor_blocks + blocks_per_context_block)
         return self._broadcast(mask, batch, kv_heads, granule, granule, width)
+
+    def context_density(self, num_queries: int) -> float:
+        """Attended / causal key blocks of :meth:`context_selection` (one process, no prefix) over ``num_queries``
+        context queries: the share of dense causal attention phase 1 computes, from the pattern alone (host
+        arithmetic, no device work)."""
+        config = self.config
+        granule = config.kernel_block_size
+        return _pattern_density(_ceil_div(num_queries, granule), config.anchor_size // granule,
+                                config.block_size // granule)
 
     def full_selection(self, batch: int, kv_heads: int, num_queries: int, key_length: int,
                        device: torch.device) -> BlockSelection:
