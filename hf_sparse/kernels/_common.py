@@ -215,6 +215,20 @@ def alibi_args(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.
     return alibi_slopes.float().contiguous()
 
 
+#: ``SOFTCAP`` of the kernels: no cap; the cap with tanh written with exp2 (exact to a few ulp, any dtype, the
+#: interpreter too); the cap with the GPU's ``tanh.approx.f32`` (one special-function instruction instead of an exp2
+#: and a reciprocal; relative error about 2^-11, below the rounding of half-precision inputs).
+SOFTCAP_OFF, SOFTCAP_EXACT, SOFTCAP_FAST = 0, 1, 2
+
+
+def softcap_mode(softcap: float | None, query: torch.Tensor) -> int:
+    """The kernels' ``SOFTCAP`` for ``query``: fast tanh for half-precision inputs on the GPU, else exact."""
+    if softcap is None:
+        return SOFTCAP_OFF
+    fast = query.is_cuda and not interpreting() and query.dtype in (torch.float16, torch.bfloat16)
+    return SOFTCAP_FAST if fast else SOFTCAP_EXACT
+
+
 def softcap_sink_args(softcap: float | None, sinks: torch.Tensor | None,
                       query: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The kernels' softcap and sink arguments: ``softcap`` times log2(e) (the kernels' scores are in base 2,

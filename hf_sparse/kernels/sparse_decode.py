@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
-                      softcap_sink_args, ticket_counters, value_args, values_aligned, wide_offsets)
+                      softcap_mode, softcap_sink_args, ticket_counters, value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
 
@@ -237,7 +237,7 @@ def sparse_decode(
                 D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-                ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap is not None,
+                ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap_mode(softcap, query),
                 HAS_SINKS=sinks is not None,
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,

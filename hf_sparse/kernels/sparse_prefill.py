@@ -22,8 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, softcap_sink_args,
-                      value_args, values_aligned, wide_offsets)
+from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, softcap_mode,
+                      softcap_sink_args, value_args, values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -40,13 +40,18 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
 
 
 @triton.jit
-def _soft_cap(scores, cap):
-    """``cap * tanh(scores / cap)`` (attention logit softcapping), tanh written with ``exp`` so that it also runs
-    in the interpreter: ``1 - 2 / (exp(2x) + 1)`` is exact at both ends (exp overflowing to inf gives 1, underflowing
-    to 0 gives -1). The base-2 scores of the kernels take the cap times log2(e) (``_common.softcap_sink_args``)."""
-    # exp2 of base-2 units, and a division without IEEE rounding (a few ulp): the precise division of fp32 `/`
-    # is a long instruction sequence per score, which made the capped kernel half again as slow.
-    return cap * (1.0 - tl.fdiv(2.0, tl.exp2(scores * (2.8853900817779268 / cap)) + 1.0, ieee_rounding=False))
+def _soft_cap(scores, cap, MODE: tl.constexpr):
+    """``cap * tanh(scores / cap)`` (attention logit softcapping; ``MODE``: ``_common.SOFTCAP_EXACT`` or
+    ``SOFTCAP_FAST``). Exact: tanh written with ``exp`` so that it also runs in the interpreter, ``1 - 2 / (exp(2x)
+    + 1)``, exact at both ends (exp overflowing to inf gives 1, underflowing to 0 gives -1). Fast: the GPU's
+    ``tanh.approx.f32``. The base-2 scores of the kernels take the cap times log2(e) (``_common.softcap_sink_args``)."""
+    if MODE == 2:
+        return cap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [scores * (1.0 / cap)],
+                                               dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        # exp2 of base-2 units, and a division without IEEE rounding (a few ulp): the precise division of fp32 `/`
+        # is a long instruction sequence per score, which made the capped kernel half again as slow.
+        return cap * (1.0 - tl.fdiv(2.0, tl.exp2(scores * (2.8853900817779268 / cap)) + 1.0, ieee_rounding=False))
 
 
 @triton.jit
@@ -149,7 +154,7 @@ def _attend_entries(
             if QUANT:
                 scores = scores * k_scale[None, :]
             if SOFTCAP:
-                scores = _soft_cap(scores, softcap_log2)
+                scores = _soft_cap(scores, softcap_log2, SOFTCAP)
             if ALIBI:
                 scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
             if MASKED:
@@ -348,7 +353,7 @@ def sparse_prefill(
         D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
         DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
         LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-        ALIBI=alibi_slopes is not None, SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None, SOFTCAP=softcap_mode(softcap, query), HAS_SINKS=sinks is not None,
     )
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
         heads_per_prog = heads_per_program(heads_per_row, 16, block_m)

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import RowLayout, row_starts
-from ._common import check_token_scale, dot_settings, scale_args, softcap_sink_args
+from ._common import check_token_scale, dot_settings, scale_args, softcap_mode, softcap_sink_args
 from .sparse_prefill import _soft_cap
 
 # Query groups (rows) and key groups (columns) a program scores per step; each a multiple of a tile / block.
@@ -92,7 +92,7 @@ def _score_step(Q, K, KS, q_base, k_base, ks_base, stride_qs, stride_qd, stride_
                              stride_kss, group_first, row_real, num_queries, kv_start, key_length, key_group,
                              offs_d, d_ok, BLOCK_M, BLOCK_N, STRIDE, DOT_FP32, PRECISION, QUANT, POOL_MAX)
     if SOFTCAP:
-        scores = _soft_cap(scores * scale_log2, softcap_log2)
+        scores = _soft_cap(scores * scale_log2, softcap_log2, SOFTCAP)
         scale = 1.0
     else:
         scale = scale_log2
@@ -318,7 +318,7 @@ def antidiagonal_block_scores(
                     score_scale * math.log2(math.e), softcap_log2, max_iters, splits, split_iters,
                     Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size, STRIDE=stride, GROUPS=groups,
                     TILES=tiles, KEY_BLOCKS=key_blocks, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
-                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, SOFTCAP=softcap is not None,
+                    DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quantized, SOFTCAP=softcap_mode(softcap, query),
                     POOL_MAX=pool == "max", num_warps=_WARPS,
                     num_stages=_STAGES,
                 )
