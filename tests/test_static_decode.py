@@ -329,6 +329,21 @@ def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
     assert torch.equal(layer.summary_storage, stored)
 
 
+def padded_prompt(seed_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of 70 random ids, the second left-padded by 5 (ids, mask)."""
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(seed_value)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
+def counted(monkeypatch, module, name: str) -> list:
+    """``module.name`` wrapped to append to the returned list at every call."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
 def decode_logits(model, cache, ids, mask, steps):
     """Prefill, then ``steps`` greedy decode steps; the last-position logits of every call."""
     with torch.no_grad():
@@ -358,13 +373,8 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
     else:
         config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0)
     hf_sparse.configure(model, config)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    calls = []
-    original = kernels.recent_block_summaries
-    monkeypatch.setattr(kernels, "recent_block_summaries", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids, mask = padded_prompt(5)
+    calls = counted(monkeypatch, kernels, "recent_block_summaries")
     steps = 16  # positions 70..85 (the padded row: 65..80 of its own): both rows cross a block boundary
     dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
     static_cache = SparseCache(model.config, max_cache_len=95, kv_dtype=kv_dtype)
@@ -386,15 +396,10 @@ def test_star_static_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
     from hf_sparse import star_attention
 
     model = build(tiny_config(layers=3), "star").to(DEVICE)
-    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, dense_above_density=None, logn_scaling=logn,
-                                                    logn_base=32 if logn else None))
-    gen = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, 128, (2, 70), generator=gen).to(DEVICE)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    calls = []
-    original = star_attention.all_blocks_decode
-    monkeypatch.setattr(star_attention, "all_blocks_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, dense_above_density=None,
+                                                    logn_scaling=logn, logn_base=32 if logn else None))
+    ids, mask = padded_prompt(6)
+    calls = counted(monkeypatch, star_attention, "all_blocks_decode")
     steps = 12  # both rows cross a 16-token block boundary
     dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
     assert not calls
