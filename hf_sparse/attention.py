@@ -33,6 +33,11 @@ DECODE_MAX_QUERY = 16
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+
+def call_phase(num_queries: int, key_length: int) -> str:
+    """``"decode"`` for a call of at most :data:`DECODE_MAX_QUERY` queries with a past, else ``"prefill"``."""
+    return "decode" if num_queries <= DECODE_MAX_QUERY and key_length > num_queries else "prefill"
+
 @functools.lru_cache(maxsize=64)
 def _parse_config(serialized: str, method: str) -> Any:
     return config_from_dict(json.loads(serialized), default_method=method)
@@ -184,7 +189,7 @@ def sparse_attention_forward(
     config = method_config(module.config, method)
     layer_idx = getattr(module, "layer_idx", 0)
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
-    phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
+    phase = call_phase(num_queries, key_length)
     logn_base = logn_base_for(config, module.config)
     cache_layer = getattr(key, LAYER_ATTR, None)
     quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)

@@ -31,8 +31,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, check_supported, method_config,
-                        static_decode)
+from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, call_phase, check_supported,
+                        method_config, static_decode)
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
 from .padding import padding_layout
@@ -110,7 +110,8 @@ def star_attention_forward(
     if (cache_layer is not None or getattr(layer, "static", False)) and layer.row_layout is None:
         # The padding picks the int8 values' layout; a static layer keeps it for its decode steps.
         layer.set_padding(padding_layout(attention_mask, batch, key.shape[2], query.device, validate=False))
-        value = layer.values if cache_layer is not None else value
+        if cache_layer is not None:
+            value = cache_layer.values
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("Star attention supports causal (decoder) attention only")
     run = _RUN.get()
@@ -119,7 +120,7 @@ def star_attention_forward(
     num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     logn_base = logn_base_for(config, module.config)
-    phase = "decode" if (num_queries <= DECODE_MAX_QUERY and key_length > num_queries) else "prefill"
+    phase = call_phase(num_queries, key_length)
     if run is None and not dropout and static_decode(phase, layer, config.kernel_block_size, query):
         # Generation over a static cache (CUDA-graph decode): global attention over every block, lengths and
         # logN positions read on the device.
