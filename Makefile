@@ -28,7 +28,7 @@ JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$
 # tests whose Triton variants need it.
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_static_decode.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_equivalence.py -k "triton or probe"
 
 gpu-test: $(STAMP)

@@ -30,6 +30,56 @@ def stdlib_text(min_chars: int) -> str:
     return "".join(parts)
 
 
+def stdlib_prose() -> str:
+    """English prose from the standard library, never code: the Python reference's topic texts
+    (``pydoc_data.topics``, sorted by topic) followed by the docstrings (module, class, function) of the
+    top-level ``*.py`` files in sorted order. The held-out text of gate training, whose data is code
+    (:func:`stdlib_training_files`)."""
+    import ast
+
+    root = sysconfig.get_paths()["stdlib"]
+    with open(os.path.join(root, "pydoc_data", "topics.py"), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    topics = next(ast.literal_eval(node.value) for node in tree.body
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "topics")
+    parts = [topics[name].strip() for name in sorted(topics)]
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            try:
+                module = ast.parse(handle.read())
+            except SyntaxError:
+                continue
+        for node in [module, *ast.walk(module)]:
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200:
+                    parts.append(doc.strip())
+    return "\n\n".join(dict.fromkeys(parts))
+
+
+def stdlib_training_files() -> list[str]:
+    """The standard library's ``*.py`` files below its top level (packages and their tests), sorted: gate
+    training's data. Disjoint from :func:`stdlib_text` (top-level files) and :func:`stdlib_prose` (which reads
+    ``pydoc_data`` and top-level docstrings); installed packages (``site-packages``) are left out."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for path in glob.glob(os.path.join(root, "*", "**", "*.py"), recursive=True):
+        parts = os.path.relpath(path, root).split(os.sep)
+        if parts[0] in ("site-packages", "dist-packages", "pydoc_data") or not os.path.isfile(path):
+            continue
+        files.append(path)
+    return sorted(files)
+
+
+def held_out_sequences(tokenizer: Any, length: int, count: int) -> torch.Tensor:
+    """``[count, length]`` token ids: consecutive disjoint windows of :func:`stdlib_prose`."""
+    ids = tokenizer(stdlib_prose(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if ids.numel() < length * count:
+        raise ValueError(f"the standard library's prose holds {ids.numel()} tokens, fewer than {count} sequences "
+                         f"of {length}")
+    return ids[: length * count].view(count, length).clone()
+
+
 @dataclass
 class LayerFidelity:
     """One layer's prefill: fraction of causal blocks attended, dense attention mass on them, and

@@ -1,7 +1,7 @@
 """PLAS gate distillation: learn each layer's gate so block scores predict where dense attention goes.
 
-Per query, the target is the dense attention probabilities max-pooled over each key block and renormalised to
-sum 1 over the causal blocks; the prediction is ``softmax_j(q . Kc_j * scale)`` over the same blocks, with
+Per query, the target is the dense attention probabilities max-pooled (``target="max"``, the default) or summed
+(``"sum"``: each block's attention mass) over each key block and renormalised to sum 1 over the causal blocks; the prediction is ``softmax_j(q . Kc_j * scale)`` over the same blocks, with
 ``Kc`` the gate-compressed keys (:func:`hf_sparse.kernels.reference.block_summaries`, the inference code path);
 the loss is ``KL(target || prediction)``. The model is frozen and runs dense attention; each layer's loss is
 computed and back-propagated inside the forward pass as soon as that layer's query and keys exist, so memory
@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -27,7 +28,8 @@ import torch
 from .gates import (GATE_FILENAME, attention_modules, gate_spec, model_plas_config, save_safetensors_atomic, set_gates,
                     write_gate_file)
 from .integration import attention_probe
-from .kernels.reference import block_availability, block_summaries
+from .kernels import backend_for, pooled_block_logits
+from .kernels.reference import block_availability, block_summaries, causal_logits
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,9 @@ class GateTrainingConfig:
         layers: layer indices to train; ``None`` = every layer not in the model's ``dense_layers``. The forward
             pass stops after the last of them.
         query_chunk: queries whose dense attention is materialised at once (bounds memory).
+        target: how the dense attention probabilities are pooled over a key block for the target: ``"max"`` (the
+            block's strongest key; FastDeploy's PLAS) or ``"sum"`` (the block's attention mass: what a selection
+            recalls).
         skip_forced_blocks: leave the blocks PLAS always attends (the model's ``sink_blocks`` first blocks and each
             query's own block) out of target and prediction, so the gate learns to rank the blocks selection
             actually chooses among; ``False`` distils over every causal block (see docs/gates.md for both).
@@ -68,6 +73,7 @@ class GateTrainingConfig:
     block_size: int | None = None
     layers: tuple[int, ...] | None = None
     query_chunk: int = 1024
+    target: str = "max"
     skip_forced_blocks: bool = True
     checkpoint_every: int = 50
     seed: int = 0
@@ -84,6 +90,8 @@ class GateTrainingConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.warmup_steps < 0 or self.checkpoint_every < 0:
             raise ValueError("warmup_steps and checkpoint_every must be >= 0")
+        if self.target not in ("max", "sum"):
+            raise ValueError(f"target must be 'max' or 'sum', got {self.target!r}")
         if self.layers is not None:
             self.layers = tuple(sorted({int(i) for i in self.layers}))
 
@@ -171,12 +179,9 @@ def _data_order(num_sequences: int, steps: int, batch_size: int, seed: int) -> t
 
 
 # -- the distillation objective -------------------------------------------------------------------------------
-def _causal_probs(query: torch.Tensor, keys: torch.Tensor, q0: int, scale: float) -> torch.Tensor:
+def _causal_probs(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float) -> torch.Tensor:
     """Dense causal attention probabilities of queries ``q0..`` (float32 ``[B, Hq, c, S]``), no padding."""
-    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
-    positions = torch.arange(keys.shape[2], device=query.device)
-    visible = positions[None, :] <= (q0 + torch.arange(query.shape[2], device=query.device))[:, None]
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.softmax(causal_logits(query, key, scale, q0), dim=-1)
 
 
 def _blockwise(probs: torch.Tensor, block_size: int, num_blocks: int, reduce: str) -> torch.Tensor:
@@ -186,6 +191,21 @@ def _blockwise(probs: torch.Tensor, block_size: int, num_blocks: int, reduce: st
         probs = torch.nn.functional.pad(probs, (0, pad))
     blocks = probs.unflatten(-1, (num_blocks, block_size))
     return blocks.amax(-1) if reduce == "max" else blocks.sum(-1)
+
+
+def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
+                         choosable: torch.Tensor, pool: str = "max") -> torch.Tensor:
+    """The dense attention probabilities max-pooled (or summed) over each block and renormalised over the
+    ``choosable`` blocks (``[B, Hq, c, nb]``; rows with no choosable block are NaN).
+
+    A block's largest probability is ``exp(max logit - lse)``, its mass ``exp(logsumexp of its logits - lse)``;
+    the row's ``lse`` cancels in the renormalisation, so the target is the softmax over the choosable blocks of
+    the pooled logits (:func:`hf_sparse.kernels.pooled_block_logits`: on the GPU no logit matrix is written)."""
+    peak = pooled_block_logits(query, key, block_size, scale, q0, pool)
+    missing = choosable.shape[-1] - peak.shape[-1]  # blocks past the chunk's keys: never choosable
+    if missing:
+        peak = torch.nn.functional.pad(peak, (0, missing), value=float("-inf"))
+    return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1)
 
 
 def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
@@ -211,38 +231,37 @@ def choosable_blocks(num_queries: int, num_blocks: int, q0: int, block_size: int
 
 def gate_distillation_loss(
     query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
-    query_chunk: int = 1024, sink_blocks: int | None = 1,
+    query_chunk: int = 1024, sink_blocks: int | None = 1, pool: str = "max",
 ) -> torch.Tensor:
     """Mean of ``KL(target || prediction)`` over heads and the queries that have at least two blocks to rank.
 
     ``query`` ``[B, Hq, S, D]`` and ``key`` ``[B, Hkv, S, D]`` are one unpadded causal sequence per row; ``gate``
     ``[Hkv, block_size, D]`` (``None`` = mean pooling). Both distributions run over the query's causal blocks
     minus the ones PLAS always attends (first ``sink_blocks`` and the query's own block); ``sink_blocks=None``
-    keeps every causal block. Differentiable in ``gate``; the target is not.
+    keeps every causal block; ``pool`` is how the target pools the dense probabilities over a block ("max" or "sum").
+    Differentiable in ``gate``; the target is not.
     """
     batch, q_heads, length, _ = query.shape
-    group = q_heads // key.shape[1]
     kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
     summaries = block_summaries(key, gate, kv_start, block_size)
     num_blocks = summaries.shape[2]
-    keys = key.float().repeat_interleave(group, dim=1)
     total = query.new_zeros((), dtype=torch.float32)
-    count = 0
-    for q0 in range(min(block_size, length), length, query_chunk):
-        q1 = min(length, q0 + query_chunk)
+    count = query.new_zeros((), dtype=torch.float32)
+    # The Triton target writes [c, blocks] per head, so one chunk holds every query; the PyTorch one materialises
+    # the [c, S] logits and goes query_chunk queries at a time. No host reads: rows with fewer than two blocks to
+    # rank are weighted 0 (their NaN target gives 0 terms).
+    chunk = length if backend_for(query) == "triton" else query_chunk
+    for q0 in range(min(block_size, length), length, chunk):
+        q1 = min(length, q0 + chunk)
         choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
         ranked = choosable.sum(-1) >= 2  # [B, c]: queries with something to rank
-        if not bool(ranked.any()):
-            continue
         with torch.no_grad():
-            probs = _causal_probs(query[:, :, q0:q1], keys[:, :, :q1], q0, scale)
-            target = _blockwise(probs, block_size, num_blocks, "max") * choosable[:, None]
-            target = target / target.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            target = _distillation_target(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, choosable, pool)
         log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
         terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
         total = total + (terms.sum(-1) * ranked[:, None]).sum()
-        count += int(ranked.sum()) * q_heads
-    return total / max(count, 1)
+        count = count + ranked.sum() * q_heads
+    return total / count.clamp_min(1)
 
 
 class _StopForward(Exception):
@@ -426,14 +445,14 @@ def train_gates(
         parameter.requires_grad_(False)
     was_training = model.training
     model.eval()
-    layer_losses: dict[int, float] = {}
+    layer_losses: dict[int, torch.Tensor] = {}
 
     def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             loss = gate_distillation_loss(query, key, gates[layer], spec.block_size, scale, config.query_chunk,
-                                          sink_blocks)
+                                          sink_blocks, config.target)
             loss.backward()
-        layer_losses[layer] = float(loss.detach())
+        layer_losses[layer] = loss.detach()  # read once per step, not per layer
 
     from tqdm.auto import tqdm
 
@@ -449,7 +468,7 @@ def train_gates(
                 for group in optimizer.param_groups:
                     group["lr"] = _learning_rate(step, steps, config)
                 optimizer.step()
-                loss = sum(layer_losses.values()) / len(layer_losses)
+                loss = float(torch.stack(list(layer_losses.values())).mean())
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
@@ -554,16 +573,14 @@ def layer_metrics(query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | N
                   density: float, sink_blocks: int = 1, query_chunk: int = 512) -> dict[str, float]:
     """One layer's :class:`GateMetrics` fields from its post-RoPE ``query``/``key`` (unpadded rows)."""
     batch, q_heads, length, _ = query.shape
-    group = q_heads // key.shape[1]
     kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
     summaries = block_summaries(key, None if gate is None else gate.to(key.device), kv_start, block_size)
     num_blocks = summaries.shape[2]
-    keys = key.float().repeat_interleave(group, dim=1)
     sums = dict(kl=0.0, top1=0.0, kl_all=0.0, top1_all=0.0, recall=0.0, oracle_recall=0.0, density=0.0)
     ranked_count = all_count = 0
     for q0 in range(min(block_size, length), length, query_chunk):
         q1 = min(length, q0 + query_chunk)
-        probs = _causal_probs(query[:, :, q0:q1], keys[:, :, :q1], q0, scale)
+        probs = _causal_probs(query[:, :, q0:q1], key[:, :, :q1], q0, scale)
         peak = _blockwise(probs, block_size, num_blocks, "max")
         mass = _blockwise(probs, block_size, num_blocks, "sum")
         available = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, None)
@@ -601,7 +618,9 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
                     f"{GATE_FILENAME} to --out. Re-running the same command resumes an interrupted run.",
     )
     parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
-    parser.add_argument("--data", nargs="+", required=True, help="text files, globs (** allowed) or folders")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="text files, globs (** allowed) or folders; 'stdlib' = the standard library's package "
+                             "sources (hf_sparse.eval.stdlib_training_files)")
     parser.add_argument("--tokens", type=int, required=True, help="training tokens")
     parser.add_argument("--out", required=True, help="output folder (gate file and checkpoint)")
     parser.add_argument("--seq-length", type=int, default=4096)
@@ -612,6 +631,10 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--layers", default=None, help="comma-separated layer indices (default: all sparse layers)")
     parser.add_argument("--query-chunk", type=int, default=GateTrainingConfig.query_chunk,
                         help="queries whose dense attention is materialised at once (bounds memory)")
+    parser.add_argument("--target", choices=["max", "sum"], default=GateTrainingConfig.target,
+                        help="pool the dense attention over a block by its max (default) or sum (its mass)")
+    parser.add_argument("--include-forced", action="store_true",
+                        help="distil over every causal block (skip_forced_blocks=False)")
     parser.add_argument("--checkpoint-every", type=int, default=GateTrainingConfig.checkpoint_every)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -641,12 +664,21 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
                                 learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
                                 layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
-                                seed=args.seed)
-    texts = read_text_files(args.data)
+                                target=args.target, skip_forced_blocks=not args.include_forced, seed=args.seed)
+    if args.data == ["stdlib"]:
+        from .eval import stdlib_training_files
+
+        texts = read_text_files(stdlib_training_files())
+    else:
+        texts = read_text_files(args.data)
+    times: list[float] = []
     result = train_gates(model, texts, config, tokenizer=tokenizer, output_dir=args.out, overwrite=args.overwrite,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, on_step=lambda step, loss: times.append(time.perf_counter()))
     first, last = result.losses[0], result.losses[-1]
     print(f"trained {len(result.gates)} layer gate(s) on {result.tokens} tokens in {result.steps} steps: "
           f"loss {first:.4f} -> {last:.4f}; wrote {result.path}")
+    if len(times) > 1:
+        rate = (len(times) - 1) * config.batch_size * config.seq_length / (times[-1] - times[0])
+        print(f"this run: {len(times)} steps, {rate:,.0f} training tokens/s ({rate * 60 / 1e6:.2f}M per minute)")
     return 0
 

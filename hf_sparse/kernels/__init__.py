@@ -16,7 +16,8 @@ from ._common import check_append_inputs
 
 __all__ = [
     "antidiagonal_block_scores", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
-    "quantize_append", "recent_block_summaries", "reference", "select_blocks", "sparse_attention",
+    "pooled_block_logits", "quantize_append", "recent_block_summaries", "reference", "select_blocks",
+    "sparse_attention",
 ]
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -27,6 +28,7 @@ if _TRITON_AVAILABLE:
     # (TRITON_INTERPRET=1), as it does for its own library. Without triton, or with a broken one, the PyTorch
     # reference serves every op.
     try:
+        from . import block_logits as _block_logits_op
         from . import block_summaries as _summaries_op
         from . import merge_lse as _merge_op
         from . import quantize_append as _append_op
@@ -37,7 +39,7 @@ if _TRITON_AVAILABLE:
         from . import xattn_scores as _xattn_op
 
         _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op,
-                       _append_op)
+                       _append_op, _block_logits_op)
     except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
@@ -178,3 +180,10 @@ def quantize_append(key_states, value_states, key_storage, value_storage, key_sc
     if backend_for(key_states) == "triton":
         return _TRITON_OPS[7].quantize_append(*args)
     return reference.quantize_append(*args)
+
+
+def pooled_block_logits(query, key, block_size, scale, q_offset=0, pool="max"):
+    """See :func:`reference.pooled_block_logits` (gate distillation's targets; no logit matrix on Triton)."""
+    if backend_for(query) == "triton":
+        return _TRITON_OPS[8].pooled_block_logits(query, key, block_size, scale, q_offset, pool)
+    return reference.pooled_block_logits(query, key, block_size, scale, q_offset, pool)

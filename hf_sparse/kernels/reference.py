@@ -479,6 +479,34 @@ def default_scale(head_dim: int) -> float:
 
 
 # -- XAttention: antidiagonal block scoring and cumulative-threshold selection -----------------------------
+def causal_logits(query: torch.Tensor, key: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
+    """Scaled attention logits ``[B, Hq, Sq, Sk]`` (float32) of unpadded rows, ``-inf`` where the key slot is past
+    the query's position (query ``i`` sits at slot ``q_offset + i``); GQA by query head ``h -> h // group``."""
+    group = query.shape[1] // key.shape[1]
+    keys = key.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(query.float() * scale, keys.transpose(-1, -2))
+    slots = torch.arange(key.shape[2], device=query.device)
+    hidden = slots[None, :] > (q_offset + torch.arange(query.shape[2], device=query.device))[:, None]
+    return scores.masked_fill_(hidden, float("-inf"))
+
+
+def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float, q_offset: int = 0,
+                        pool: str = "max") -> torch.Tensor:
+    """Each query's logits pooled over each key block: ``[B, Hq, Sq, ceil(Sk / block_size)]`` float32.
+    ``pool="max"``: the block's largest logit; ``pool="sum"``: ``log(sum(exp(logits)))`` over the block, so that a
+    softmax over blocks gives each block's attention mass. ``-inf`` for blocks with no key at or before the
+    query's slot. :func:`causal_logits` pooled; the targets of PLAS gate distillation (:mod:`hf_sparse.training`)."""
+    if pool not in ("max", "sum"):
+        raise ValueError(f"pool must be 'max' or 'sum', got {pool!r}")
+    scores = causal_logits(query, key, scale, q_offset)
+    num_blocks = _ceil_div(key.shape[2], block_size)
+    missing = num_blocks * block_size - key.shape[2]
+    if missing:
+        scores = torch.nn.functional.pad(scores, (0, missing), value=float("-inf"))
+    blocks = scores.unflatten(-1, (num_blocks, block_size))
+    return blocks.amax(-1) if pool == "max" else torch.logsumexp(blocks, -1)
+
+
 def antidiagonal_block_scores(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -1,0 +1,115 @@
+"""PLAS gate training on the GPU: training tokens per second of ``hf_sparse.train_gates`` and where a step goes.
+
+Runs ``--steps`` optimisation steps of one ``--seq-length`` sequence on ``--model`` (bfloat16, CUDA), then times
+the same model's forward alone (the part of a step that is not distillation: the model up to the last trained
+layer, dense attention) and profiles ``--profile-steps`` more steps with ``torch.profiler`` (GPU time per kernel).
+Throughput does not depend on the weights, so ``--model smollm2-random`` measures it without the GGUF.
+
+    python benchmarks/bench_training.py --model smollm2 --seq-length 8192 --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import hf_sparse
+from hf_sparse.gates import gate_spec
+from hf_sparse.training import probe_layers
+
+from _common import add_model_arguments, environment, header, load_model, require_cuda, write_json
+
+
+def training_ids(loaded, seq_length: int, count: int) -> torch.Tensor:
+    """``[count, seq_length]`` ids: gate training's data (the stdlib's package sources) for the trained model,
+    random ids for a random-weight one."""
+    if loaded.tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, loaded.model.config.vocab_size, (count, seq_length), generator=generator)
+    from hf_sparse.eval import stdlib_training_files
+    from hf_sparse.training import read_text_files, token_stream
+
+    return token_stream(read_text_files(stdlib_training_files()), loaded.tokenizer,
+                        count * seq_length).view(count, seq_length)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, "smollm2")
+    parser.add_argument("--seq-length", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (the first is left out as warm-up)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--query-chunk", type=int, default=hf_sparse.GateTrainingConfig.query_chunk)
+    parser.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0: none)")
+    parser.add_argument("--json", help="write every number here")
+    args = parser.parse_args()
+    require_cuda("bench_training.py")
+    env = environment()
+    loaded = load_model(args)
+    model = loaded.model
+    ids = training_ids(loaded, args.seq_length, args.steps + args.profile_steps)
+    tokens = args.seq_length
+
+    def config(steps: int) -> hf_sparse.GateTrainingConfig:
+        return hf_sparse.GateTrainingConfig(seq_length=args.seq_length, max_tokens=steps * tokens,
+                                            block_size=args.block_size, query_chunk=args.query_chunk,
+                                            warmup_steps=1, checkpoint_every=0)
+
+    stamps: list[float] = []
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = hf_sparse.train_gates(model, ids[: args.steps], config(args.steps), progress=False,
+                                   on_step=lambda step, loss: stamps.append(time.perf_counter()))
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+
+    layers = gate_spec(model, args.block_size).gated_layers
+    forward = []
+    for row in ids[:5]:
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        probe_layers(model, row[None].cuda(), layers, lambda *unused: None)
+        torch.cuda.synchronize()
+        forward.append(time.perf_counter() - begin)
+    forward_s = sorted(forward)[len(forward) // 2]
+
+    kernels = []
+    if args.profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            hf_sparse.train_gates(model, ids[args.steps:], config(args.profile_steps), progress=False)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in events)
+        for event in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+            kernels.append({"kernel": event.key[:90], "ms_per_step": event.self_device_time_total / 1e3 /
+                            args.profile_steps, "share": event.self_device_time_total / total})
+        gpu_busy_ms = total / 1e3 / args.profile_steps
+    else:
+        gpu_busy_ms = None
+
+    rate = tokens / step_s
+    print(header(env))
+    print(f"{loaded.description}; sequences of {tokens} tokens, block {args.block_size}, {len(layers)} gated layers, "
+          f"query_chunk {args.query_chunk}; {len(stamps)} steps in {time.perf_counter() - start:.1f} s")
+    print(f"\nstep {step_s * 1e3:.1f} ms: {rate:,.0f} training tokens/s = {rate * 60 / 1e6:.2f}M per minute; "
+          f"peak memory {peak:.2f} GiB; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    print(f"the model's forward up to layer {max(layers)} alone (no distillation): {forward_s * 1e3:.1f} ms "
+          f"({forward_s / step_s:.0%} of a step)")
+    if kernels:
+        print(f"GPU busy {gpu_busy_ms:.1f} ms per step ({gpu_busy_ms / 1e3 / step_s:.0%} of the step's wall time); "
+              "top kernels:\n")
+        print("| kernel | ms per step | share of GPU time |\n| --- | ---: | ---: |")
+        for row in kernels:
+            print(f"| `{row['kernel']}` | {row['ms_per_step']:.2f} | {row['share']:.1%} |")
+    if args.json:
+        write_json(args.json, {"environment": env, "args": vars(args) | {"gguf": str(args.gguf)},
+                               "step_ms": step_s * 1e3, "tokens_per_s": rate, "peak_gib": peak,
+                               "forward_ms": forward_s * 1e3, "gpu_busy_ms": gpu_busy_ms, "kernels": kernels,
+                               "losses": result.losses})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Trained PLAS gates against mean pooling on held-out prose: density / next-token KL curves and matched ratios.
+
+For each gate file (its block size read from the file) and each ``--lengths`` L, ``--sequences`` disjoint windows
+of ``hf_sparse.eval.held_out_sequences`` (the standard library's prose; gate training reads only code). Per window:
+dense sdpa logits over the last ``--last-n`` positions, then for mean pooling and for the file, at each
+``--fractions`` f, one sparse prefill with ``PLASConfig(block_size=B, query_union=B, prefill_top_k=(k, ceil(1.25 k)),
+k = round(f * L / B)``, every layer but the last sparse at any length and density). Prints per point the density
+and next-token KL / top-1 (mean and standard deviation over the windows), then the matched comparisons: mean
+pooling's KL at each trained point's density and its density at the trained point's KL (log-KL interpolated
+linearly in density along mean pooling's curve of means). Writes JSON and a PNG (one panel per length and block).
+
+    python benchmarks/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
+        --json docs/runs/gate_gains.json --png docs/gate_gains.png
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+from safetensors import safe_open
+
+import hf_sparse
+from hf_sparse.default_model import load_default_model
+from hf_sparse.eval import held_out_sequences
+from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_gates
+
+from _common import environment, header, table, write_json
+
+
+def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
+    hf_sparse.configure(model, config)
+    with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+        logits = model(ids, logits_to_keep=last_n).logits.float()
+    return torch.log_softmax(logits, -1)[0], recorder.density("prefill")
+
+
+def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
+    """``y`` at ``x`` on the polyline ``points`` (sorted by x), None outside it."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1 and x1 > x0:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def matched(rows: list[dict]) -> list[dict]:
+    """Per trained point: mean pooling's KL at its density and density at its KL (on the means' curve)."""
+    out = []
+    for (length, block) in dict.fromkeys((r["length"], r["block"]) for r in rows):
+        group = [r for r in rows if r["length"] == length and r["block"] == block]
+        mean_curve = sorted((r["density"], math.log(r["kl"])) for r in group if r["gates"] == "mean pooling")
+        by_kl = sorted((math.log(r["kl"]), r["density"]) for r in group if r["gates"] == "mean pooling")
+        for row in (r for r in group if r["gates"] != "mean pooling"):
+            log_kl = interpolate(row["density"], mean_curve)
+            density = interpolate(math.log(row["kl"]), by_kl)
+            out.append({"length": length, "block": block, "fraction": row["fraction"], "density": row["density"],
+                        "kl": row["kl"], "mean_kl": None if log_kl is None else math.exp(log_kl),
+                        "kl_ratio": None if log_kl is None else row["kl"] / math.exp(log_kl),
+                        "mean_density": density, "density_ratio": None if density is None else row["density"] / density,
+                        "top1": row["top1"]})
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["length"], r["block"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), squeeze=False)
+    for ax, (length, block) in zip(axes[0], panels):
+        for gates in dict.fromkeys(r["gates"] for r in rows):
+            points = sorted((r["density"], r["kl"], r["kl_std"]) for r in rows
+                            if (r["length"], r["block"], r["gates"]) == (length, block, gates))
+            if points:
+                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+                            marker="o", capsize=3, label=gates)
+        ax.set_yscale("log")
+        ax.set_title(f"{length} tokens, block {block}", fontsize=10)
+        ax.set_xlabel("prefill density (attended / causal blocks)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("next-token KL vs dense (mean over windows)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    temporary = path + ".tmp.png"
+    fig.savefig(temporary, dpi=120)
+    os.replace(temporary, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gates", nargs="+", required=True, help="gate files or folders (one block size each)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.03, 0.05, 0.08, 0.12, 0.18])
+    parser.add_argument("--last-n", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+    env = environment()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
+    files = []
+    for source in args.gates:
+        path = resolve_gate_file(source)
+        with safe_open(str(path), framework="pt") as handle:
+            block = int((handle.metadata() or {})["block_size"])
+        files.append((str(path), block))
+    names = []  # a gate file's label: its folder's name (made unique)
+    for path, _ in files:
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        names.append(name if name not in names else f"{name} #{len(names) + 1}")
+    samples = []  # one dict per (length, block, gates, fraction, window)
+    start = time.perf_counter()
+    for length in args.lengths:
+        windows = held_out_sequences(tokenizer, length, args.sequences).to(args.device)
+        for index, ids in enumerate(windows):
+            model.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                dense = torch.log_softmax(model(ids[None], logits_to_keep=args.last_n).logits.float(), -1)[0]
+            runs = [(block, "mean pooling", None) for block in dict.fromkeys(block for _, block in files)]
+            runs += [(block, name, path) for (path, block), name in zip(files, names)]
+            for block, gates_name, path in runs:
+                for fraction in args.fractions:
+                    left = max(2, round(fraction * length / block))
+                    config = hf_sparse.PLASConfig(block_size=block, query_union=block, dense_below=0,
+                                                  prefill_top_k=(left, math.ceil(1.25 * left)),
+                                                  dense_above_density=None, density_memory=False)
+                    hf_sparse.configure(model, config)
+                    set_gates(model, None if path is None else read_gate_file(path, gate_spec(model, block)))
+                    sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
+                    kl = (dense.exp() * (dense - sparse)).sum(-1)
+                    samples.append({"length": length, "block": block, "gates": gates_name, "fraction": fraction,
+                                    "top_k": [left, math.ceil(1.25 * left)], "window": index, "density": density,
+                                    "kl": kl.mean().item(),
+                                    "top1": (dense.argmax(-1) == sparse.argmax(-1)).float().mean().item()})
+            print(f"{length} tokens, window {index + 1}/{args.sequences} done ({time.perf_counter() - start:.0f} s)",
+                  flush=True)
+    set_gates(model, None)
+    model.set_attn_implementation("sdpa")
+    rows = summarise(samples)
+    report(rows, env, args)
+    if args.json:
+        write_json(args.json, {"environment": env, "args": vars(args), "samples": samples, "rows": rows,
+                               "matched": matched(rows)})
+    if args.png:
+        plot(rows, args.png, f"SmolLM2-135M-Instruct, held-out prose, {args.sequences} windows per length "
+                             f"(error bars: standard deviation)")
+
+
+def summarise(samples: list[dict]) -> list[dict]:
+    rows = []
+    keys = dict.fromkeys((s["length"], s["block"], s["gates"], s["fraction"]) for s in samples)
+    for length, block, gates, fraction in keys:
+        group = [s for s in samples if (s["length"], s["block"], s["gates"], s["fraction"]) == (length, block, gates,
+                                                                                               fraction)]
+        kls = torch.tensor([s["kl"] for s in group])
+        rows.append({"length": length, "block": block, "gates": gates, "fraction": fraction, "top_k": group[0]["top_k"],
+                     "windows": len(group), "density": sum(s["density"] for s in group) / len(group),
+                     "kl": kls.mean().item(), "kl_std": kls.std().item() if len(group) > 1 else 0.0,
+                     "top1": sum(s["top1"] for s in group) / len(group)})
+    return rows
+
+
+def report(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
+    print(header(env))
+    print(f"SmolLM2-135M-Instruct, held-out prose (hf_sparse.eval.held_out_sequences), {args.sequences} windows per "
+          f"length; KL(dense || sparse) and top-1 over the last {args.last_n} positions, mean (std) over windows\n")
+    print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
+                 ("gates", lambda r: r["gates"]), ("prefill_top_k", lambda r: f"{r['top_k'][0]}-{r['top_k'][1]}"),
+                 ("density", lambda r: f"{r['density']:.3f}"), ("KL", lambda r: f"{r['kl']:.4f} ({r['kl_std']:.4f})"),
+                 ("top-1", lambda r: f"{r['top1']:.3f}")], rows))
+    print("\nmatched against mean pooling's curve (- : outside its density / KL range)\n")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
+                 ("trained density", lambda r: f"{r['density']:.3f}"), ("trained KL", lambda r: f"{r['kl']:.4f}"),
+                 ("mean pooling KL there", lambda r: fmt(r["mean_kl"], ".4f")),
+                 ("KL ratio", lambda r: fmt(r["kl_ratio"], ".2f")),
+                 ("mean pooling density at that KL", lambda r: fmt(r["mean_density"], ".3f")),
+                 ("density ratio", lambda r: fmt(r["density_ratio"], ".2f"))], matched(rows)))
+
+
+if __name__ == "__main__":
+    main()
