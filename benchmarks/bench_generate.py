@@ -4,9 +4,10 @@
 Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls (each after one
 untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
 * TTFT: wall time of generate(max_new_tokens=1), median of --ttft-rounds rounds in which each method runs once,
-  in turn, after all are warm: the host's speed drifts by tens of percent over a minute (a short prompt's prefill
-  is bound by the host's launches), and interleaving lets that drift hit every method alike. Its ratio is a
-  speed-up against "sdpa" (sdpa's TTFT / this).
+  in turn (the order rotating by one each round), after all are warm: the host's speed drifts by tens of percent
+  over a minute (a short prompt's prefill is bound by the host's launches), and interleaving lets that drift hit
+  every method alike. Its ratio is a speed-up against "sdpa": the median over the rounds of sdpa's TTFT / this
+  method's in the same round.
 * TPOT@N: (wall time of generate(max_new_tokens=N) - that method's TTFT in the same stretch) / (N - 1), for each N of --tpot-tokens. So it
   includes each call's first decode step and whatever a call pays once (a CUDA-graph capture): TPOT@16 within a
   few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
@@ -68,8 +69,8 @@ DEFAULT_LENGTHS = {"smollm2": [4096, 8192, 16384, 32768, 65536, 131072]}
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[float, torch.Tensor]:
     """(seconds, the new token ids) of one greedy generate() of exactly ``new_tokens`` tokens."""
     # The caches of earlier calls can sit in reference cycles: free them first, or 128K runs run out of memory.
+    # (The allocator keeps its cached blocks, as it does between a user's calls.)
     gc.collect()
-    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
@@ -115,15 +116,17 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
 
 
 @torch.no_grad()
-def interleaved_ttft(model, ids: torch.Tensor, methods: list[str], rounds: int) -> dict[str, float]:
-    """Median TTFT per method over ``rounds`` rounds of one generate(max_new_tokens=1) per method, in turn."""
+def interleaved_ttft(model, ids: torch.Tensor, methods: list[str], rounds: int) -> dict[str, list[float]]:
+    """TTFT of each method in each of ``rounds`` rounds of one generate(max_new_tokens=1) per method; the order
+    of the methods rotates from round to round, so a drift of the host's speed within a round favours none."""
     seconds = {method: [] for method in methods}
-    for _ in range(rounds):
-        for method in methods:
+    for round_index in range(rounds):
+        shift = round_index % len(methods)
+        for method in methods[shift:] + methods[:shift]:
             use_method(model, method)
             extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
             seconds[method].append(timed_generate(model, ids, 1, **extra)[0])
-    return {method: statistics.median(values) for method, values in seconds.items()}
+    return seconds
 
 
 @torch.no_grad()
@@ -144,7 +147,11 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
     base = {row["method"]: row for row in rows}
     sdpa, static = base.get("sdpa"), base.get("sdpa-static")
     for row in rows:
-        row["ttft_vs_sdpa"] = sdpa["ttft_s"] / row["ttft_s"] if sdpa else None
+        rounds = list(zip(sdpa.get("ttft_rounds_s", []), row.get("ttft_rounds_s", []))) if sdpa else []
+        if rounds:  # the median of the rounds' ratios: each round's calls ran close together
+            row["ttft_vs_sdpa"] = statistics.median(base_s / own_s for base_s, own_s in rounds)
+        else:
+            row["ttft_vs_sdpa"] = sdpa["ttft_s"] / row["ttft_s"] if sdpa else None
         row["peak_vs_sdpa"] = row["peak_gib"] / sdpa["peak_gib"] if sdpa else None
         tpot, static_tpot = row["tpot_ms"].get(largest), static["tpot_ms"].get(largest) if static else None
         row["tpot_vs_sdpa_static"] = static_tpot / tpot if static_tpot and tpot else None
@@ -291,7 +298,8 @@ def main() -> None:
         if args.ttft_rounds:
             ttft = interleaved_ttft(model, ids, args.methods, args.ttft_rounds)
             for row in at_length:
-                row["ttft_alone_s"], row["ttft_s"] = row["ttft_s"], ttft[row["method"]]
+                row["ttft_rounds_s"] = ttft[row["method"]]
+                row["ttft_alone_s"], row["ttft_s"] = row["ttft_s"], statistics.median(ttft[row["method"]])
         add_ratios(at_length, args.tpot_tokens)
         rows += at_length
     print_table(rows, args.tpot_tokens, env, described, args.repeats)

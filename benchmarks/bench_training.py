@@ -6,6 +6,9 @@ layer, dense attention) and profiles ``--profile-steps`` more steps with ``torch
 Throughput does not depend on the weights, so ``--model smollm2-random`` measures it without the GGUF.
 
     python benchmarks/bench_training.py --model smollm2 --seq-length 8192 --steps 30
+
+``--loss-curve CHECKPOINT --png FILE`` (no GPU) plots the per-step loss history a training run's checkpoint holds
+(``gate_training_checkpoint.safetensors``), with a 50-step moving mean.
 """
 from __future__ import annotations
 
@@ -34,6 +37,43 @@ def training_ids(loaded, seq_length: int, count: int) -> torch.Tensor:
                         count * seq_length).view(count, seq_length)
 
 
+def loss_curve(checkpoint: str, png: str) -> None:
+    import json
+
+    import matplotlib
+    from safetensors import safe_open
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with safe_open(checkpoint, framework="pt") as handle:
+        metadata = handle.metadata()
+    losses = json.loads(metadata["losses"])
+    settings = json.loads(metadata["fingerprint"])["settings"]
+    window = 50
+    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+              for i in range(len(losses))]
+    tokens = [(i + 1) * settings["seq_length"] * settings["batch_size"] / 1e6 for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tokens, losses, lw=0.5, alpha=0.4, label="per step")
+    ax.plot(tokens, smooth, lw=1.5, label=f"mean of {window} steps")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("distillation loss (KL, mean over layers)")
+    ax.set_title(f"PLAS gates, SmolLM2-135M-Instruct: block {settings['block_size']}, sequences of "
+                 f"{settings['seq_length']}, target {settings.get('target', 'max')}, lr {settings['learning_rate']}",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    temporary = png + ".tmp.png"
+    fig.savefig(temporary, dpi=120)
+    import os
+
+    os.replace(temporary, png)
+    print(f"{len(losses)} steps, {tokens[-1]:.1f}M tokens: loss {smooth[window - 1]:.4f} (first {window} steps) -> "
+          f"{smooth[-1]:.4f} (last {window}); wrote {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, "smollm2")
@@ -43,7 +83,12 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=hf_sparse.GateTrainingConfig.query_chunk)
     parser.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0: none)")
     parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--loss-curve", metavar="CHECKPOINT", help="plot this checkpoint's loss history (no run)")
+    parser.add_argument("--png", help="with --loss-curve: the plot's file")
     args = parser.parse_args()
+    if args.loss_curve:
+        loss_curve(args.loss_curve, args.png or "gate_loss.png")
+        return
     require_cuda("bench_training.py")
     env = environment()
     loaded = load_model(args)

@@ -55,7 +55,8 @@ def matched(rows: list[dict]) -> list[dict]:
         for row in (r for r in group if r["gates"] != "mean pooling"):
             log_kl = interpolate(row["density"], mean_curve)
             density = interpolate(math.log(row["kl"]), by_kl)
-            out.append({"length": length, "block": block, "fraction": row["fraction"], "density": row["density"],
+            out.append({"length": length, "block": block, "gates": row["gates"], "fraction": row["fraction"],
+                        "density": row["density"],
                         "kl": row["kl"], "mean_kl": None if log_kl is None else math.exp(log_kl),
                         "kl_ratio": None if log_kl is None else row["kl"] / math.exp(log_kl),
                         "mean_density": density, "density_ratio": None if density is None else row["density"] / density,
@@ -99,6 +100,10 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.03, 0.05, 0.08, 0.12, 0.18])
     parser.add_argument("--last-n", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--recall", type=int, default=0, metavar="N",
+                        help="also score the blocks of the first N windows per length (hf_sparse.evaluate_gates: "
+                             "recall of the dense attention mass at --recall-density against the oracle's)")
+    parser.add_argument("--recall-density", type=float, default=0.3)
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args()
@@ -145,12 +150,38 @@ def main() -> None:
     model.set_attn_implementation("sdpa")
     rows = summarise(samples)
     report(rows, env, args)
+    scores = block_scores(model, tokenizer, files, names, args) if args.recall else []
     if args.json:
         write_json(args.json, {"environment": env, "args": vars(args), "samples": samples, "rows": rows,
-                               "matched": matched(rows)})
+                               "matched": matched(rows), "block_scores": scores})
     if args.png:
         plot(rows, args.png, f"SmolLM2-135M-Instruct, held-out prose, {args.sequences} windows per length "
                              f"(error bars: standard deviation)")
+
+
+def block_scores(model, tokenizer, files, names, args) -> list[dict]:
+    """Mean pooling and each gate file scored at the block level (``evaluate_gates``), mean over windows."""
+    rows = []
+    for length in args.lengths:
+        windows = held_out_sequences(tokenizer, length, args.recall).to(args.device)
+        runs = [(block, "mean pooling", None) for block in dict.fromkeys(block for _, block in files)]
+        runs += [(block, name, path) for (path, block), name in zip(files, names)]
+        for block, name, path in runs:
+            gates = None if path is None else read_gate_file(path, gate_spec(model, block))
+            metrics = [hf_sparse.evaluate_gates(model, ids[None], gates, density=args.recall_density, block_size=block)
+                       for ids in windows]
+            row = {"length": length, "block": block, "gates": name}
+            for field in ("kl", "top1", "recall", "oracle_recall", "density"):
+                row[field] = sum(getattr(m, field) for m in metrics) / len(metrics)
+            rows.append(row)
+    print(f"\nblock scores (hf_sparse.evaluate_gates) at density {args.recall_density}, first {args.recall} windows: "
+          "KL / top-1 of the predicted block distribution vs the max-pooled dense one; recall = dense attention mass "
+          "in the selected blocks; oracle = the same number of blocks chosen by true mass\n")
+    print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
+                 ("gates", lambda r: r["gates"]), ("block KL", lambda r: f"{r['kl']:.3f}"),
+                 ("block top-1", lambda r: f"{r['top1']:.3f}"), ("recall", lambda r: f"{r['recall']:.4f}"),
+                 ("oracle recall", lambda r: f"{r['oracle_recall']:.4f}")], rows))
+    return rows
 
 
 def summarise(samples: list[dict]) -> list[dict]:
@@ -181,7 +212,7 @@ def report(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
         return "-" if value is None else format(value, spec)
 
     print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
-                 ("trained density", lambda r: f"{r['density']:.3f}"), ("trained KL", lambda r: f"{r['kl']:.4f}"),
+                 ("gates", lambda r: r["gates"]), ("trained density", lambda r: f"{r['density']:.3f}"), ("trained KL", lambda r: f"{r['kl']:.4f}"),
                  ("mean pooling KL there", lambda r: fmt(r["mean_kl"], ".4f")),
                  ("KL ratio", lambda r: fmt(r["kl_ratio"], ".2f")),
                  ("mean pooling density at that KL", lambda r: fmt(r["mean_density"], ".3f")),
