@@ -30,6 +30,10 @@ from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_ga
 from _common import environment, header, table, write_json
 
 
+PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over {sequences} windows "
+              "(error bars: standard error)")
+
+
 def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
     hf_sparse.configure(model, config)
     with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
@@ -71,30 +75,37 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["length"], r["block"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), squeeze=False)
-    for ax, (length, block) in zip(axes[0], panels):
+    columns = min(2, len(panels))
+    lines = -(-len(panels) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(6.2 * columns, 4.2 * lines), squeeze=False)
+    for ax, (length, block) in zip(axes.flat, panels):
         for gates in dict.fromkeys(r["gates"] for r in rows):
-            points = sorted((r["density"], r["kl"], r["kl_std"]) for r in rows
+            points = sorted((r["density"], r["kl"], r["kl_std"] / math.sqrt(r["windows"])) for r in rows
                             if (r["length"], r["block"], r["gates"]) == (length, block, gates))
             if points:
                 ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                            marker="o", capsize=3, label=gates)
+                            marker="o", ms=4, capsize=2, lw=2.2 if gates == "mean pooling" else 1.2,
+                            color="black" if gates == "mean pooling" else None, label=gates)
         ax.set_yscale("log")
         ax.set_title(f"{length} tokens, block {block}", fontsize=10)
         ax.set_xlabel("prefill density (attended / causal blocks)")
+        ax.set_ylabel("next-token KL vs dense")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("next-token KL vs dense (mean over windows)")
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     temporary = path + ".tmp.png"
-    fig.savefig(temporary, dpi=120)
+    fig.savefig(temporary, dpi=110)
     os.replace(temporary, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gates", nargs="+", required=True, help="gate files or folders (one block size each)")
+    parser.add_argument("--gates", nargs="+", help="gate files or folders (one block size each)")
+    parser.add_argument("--replot", nargs="+", metavar="JSON",
+                        help="no run: the tables and --png of earlier runs' --json files (their rows together)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.03, 0.05, 0.08, 0.12, 0.18])
@@ -107,6 +118,22 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args()
+    if args.replot:
+        import json
+
+        runs = [json.load(open(path)) for path in args.replot]
+        rows = [row for run in runs for row in run["rows"]]
+        rows = [row for index, row in enumerate(rows)  # a curve measured in several runs (mean pooling): the first
+                if (row["length"], row["block"], row["gates"], row["fraction"]) not in
+                {(r["length"], r["block"], r["gates"], r["fraction"]) for r in rows[:index]}]
+        args.sequences = runs[0]["args"]["sequences"]
+        args.last_n = runs[0]["args"]["last_n"]
+        report(rows, runs[0]["environment"], args)
+        if args.png:
+            plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
+        return
+    if not args.gates:
+        parser.error("name at least one gate file (--gates) or earlier runs (--replot)")
     env = environment()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
@@ -155,8 +182,7 @@ def main() -> None:
         write_json(args.json, {"environment": env, "args": vars(args), "samples": samples, "rows": rows,
                                "matched": matched(rows), "block_scores": scores})
     if args.png:
-        plot(rows, args.png, f"SmolLM2-135M-Instruct, held-out prose, {args.sequences} windows per length "
-                             f"(error bars: standard deviation)")
+        plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
 
 
 def block_scores(model, tokenizer, files, names, args) -> list[dict]:
