@@ -1,9 +1,10 @@
 """PLAS gate distillation: learn each layer's gate so block scores predict where dense attention goes.
 
 Per query, the target is the dense attention probabilities max-pooled (``target="max"``, the default) or summed
-(``"sum"``: each block's attention mass) over each key block and renormalised to sum 1 over the causal blocks; the prediction is ``softmax_j(q . Kc_j * scale)`` over the same blocks, with
-``Kc`` the gate-compressed keys (:func:`hf_sparse.kernels.reference.block_summaries`, the inference code path);
-the loss is ``KL(target || prediction)``. The model is frozen and runs dense attention; each layer's loss is
+(``"sum"``: each block's attention mass) over each key block and renormalised to sum 1 over the causal blocks;
+the prediction is ``softmax_j(q . Kc_j * scale)`` over the same blocks, with ``Kc`` the gate-compressed keys
+(:func:`hf_sparse.kernels.reference.block_summaries`, the inference code path); the loss is
+``KL(target || prediction)``. The model is frozen and runs dense attention; each layer's loss is
 computed and back-propagated inside the forward pass as soon as that layer's query and keys exist, so memory
 holds one layer's attention at a time. Only the gates get gradients.
 """
@@ -196,7 +197,7 @@ def _blockwise(probs: torch.Tensor, block_size: int, num_blocks: int, reduce: st
 def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
                          choosable: torch.Tensor, pool: str = "max") -> torch.Tensor:
     """The dense attention probabilities max-pooled (or summed) over each block and renormalised over the
-    ``choosable`` blocks (``[B, Hq, c, nb]``; rows with no choosable block are NaN).
+    ``choosable`` blocks (``[B, Hq, c, nb]``; rows with no choosable block are 0).
 
     A block's largest probability is ``exp(max logit - lse)``, its mass ``exp(logsumexp of its logits - lse)``;
     the row's ``lse`` cancels in the renormalisation, so the target is the softmax over the choosable blocks of
@@ -205,7 +206,7 @@ def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale:
     missing = choosable.shape[-1] - peak.shape[-1]  # blocks past the chunk's keys: never choosable
     if missing:
         peak = torch.nn.functional.pad(peak, (0, missing), value=float("-inf"))
-    return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1)
+    return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
 def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
@@ -249,7 +250,7 @@ def gate_distillation_loss(
     count = query.new_zeros((), dtype=torch.float32)
     # The Triton target writes [c, blocks] per head, so one chunk holds every query; the PyTorch one materialises
     # the [c, S] logits and goes query_chunk queries at a time. No host reads: rows with fewer than two blocks to
-    # rank are weighted 0 (their NaN target gives 0 terms).
+    # rank are weighted 0.
     chunk = length if backend_for(query) == "triton" else query_chunk
     for q0 in range(min(block_size, length), length, chunk):
         q1 = min(length, q0 + chunk)
