@@ -85,6 +85,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def save_figure(figure: Any, path: str | Path, title: str | None = None, dpi: int = 120) -> None:
+    """Lay ``figure`` out (under ``title``) and write it to ``path`` atomically (a temporary PNG, then
+    ``os.replace``)."""
+    if title is not None:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(temporary, dpi=dpi)
+    os.replace(temporary, path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def write_json(path: str | Path, data: dict) -> None:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, then ``os.replace``."""
     path = Path(path)

@@ -57,7 +57,7 @@ import time
 import torch
 
 from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
-                     progress, require_cuda, speedup, table, use_method, write_json)
+                     progress, require_cuda, save_figure, speedup, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
 
@@ -214,10 +214,7 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=150)
-    progress(f"wrote {path}")
+    save_figure(figure, path, title, dpi=150)
 
 
 def replot(args: argparse.Namespace) -> None:

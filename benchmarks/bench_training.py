@@ -21,7 +21,7 @@ import hf_sparse
 from hf_sparse.gates import gate_spec
 from hf_sparse.training import probe_layers
 
-from _common import add_model_arguments, environment, header, load_model, require_cuda, write_json
+from _common import add_model_arguments, environment, header, load_model, require_cuda, save_figure, write_json
 
 
 def training_ids(loaded, seq_length: int, count: int) -> torch.Tensor:
@@ -64,14 +64,9 @@ def loss_curve(checkpoint: str, png: str) -> None:
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    temporary = png + ".tmp.png"
-    fig.savefig(temporary, dpi=120)
-    import os
-
-    os.replace(temporary, png)
+    save_figure(fig, png)
     print(f"{len(losses)} steps, {tokens[-1]:.1f}M tokens: loss {smooth[window - 1]:.4f} (first {window} steps) -> "
-          f"{smooth[-1]:.4f} (last {window}); wrote {png}")
+          f"{smooth[-1]:.4f} (last {window})")
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import hf_sparse
 from hf_sparse.default_model import load_default_model
 from hf_sparse.eval import stdlib_text
 
-from _common import sparse_config, table, write_json
+from _common import save_figure, sparse_config, table, write_json
 
 
 def family(name: str) -> str:
@@ -64,13 +64,7 @@ def plot(rows: list[dict], path: str, title: str, last_n: int) -> None:
         ax.set_ylabel(label, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    import os
-
-    os.replace(tmp, path)
+    save_figure(fig, path, title)
 
 
 def main() -> None:

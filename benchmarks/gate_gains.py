@@ -27,7 +27,7 @@ from hf_sparse.default_model import load_default_model
 from hf_sparse.eval import held_out_sequences
 from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_gates
 
-from _common import environment, header, table, write_json
+from _common import environment, header, save_figure, table, write_json
 
 
 PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over {sequences} windows "
@@ -94,11 +94,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    temporary = path + ".tmp.png"
-    fig.savefig(temporary, dpi=110)
-    os.replace(temporary, path)
+    save_figure(fig, path, title, dpi=110)
 
 
 def main() -> None:
