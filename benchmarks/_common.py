@@ -86,14 +86,14 @@ def _plain(value: Any) -> Any:
 
 
 def save_figure(figure: Any, path: str | Path, title: str | None = None, dpi: int = 120) -> None:
-    """Lay ``figure`` out (under ``title``) and write it to ``path`` atomically (a temporary PNG, then
-    ``os.replace``)."""
+    """Lay ``figure`` out (under ``title``) and write it to ``path`` atomically (a temporary file, then
+    ``os.replace``), in the format its suffix names (PNG without one)."""
     if title is not None:
         figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(temporary, dpi=dpi)
+    temporary = path.with_name(f".{path.name}.tmp")
+    figure.savefig(temporary, dpi=dpi, format=path.suffix[1:] or "png")
     os.replace(temporary, path)
     print(f"wrote {path}", file=sys.stderr)
 

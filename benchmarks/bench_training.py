@@ -50,7 +50,9 @@ def loss_curve(checkpoint: str, png: str) -> None:
         metadata = handle.metadata()
     losses = json.loads(metadata["losses"])
     settings = json.loads(metadata["fingerprint"])["settings"]
-    window = 50
+    if not losses:
+        raise SystemExit(f"{checkpoint} holds no steps")
+    window = min(50, len(losses))
     smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
               for i in range(len(losses))]
     tokens = [(i + 1) * settings["seq_length"] * settings["batch_size"] / 1e6 for i in range(len(losses))]
@@ -84,6 +86,8 @@ def main() -> None:
     if args.loss_curve:
         loss_curve(args.loss_curve, args.png or "gate_loss.png")
         return
+    if args.steps < 2:
+        parser.error("--steps: the rate needs at least 2 steps")
     require_cuda("bench_training.py")
     env = environment()
     loaded = load_model(args)

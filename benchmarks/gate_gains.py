@@ -4,7 +4,7 @@ For each gate file (its block size read from the file) and each ``--lengths`` L,
 of ``hf_sparse.eval.held_out_sequences`` (the standard library's prose; gate training reads only code). Per window:
 dense sdpa logits over the last ``--last-n`` positions, then for mean pooling and for the file, at each
 ``--fractions`` f, one sparse prefill with ``PLASConfig(block_size=B, query_union=B, prefill_top_k=(k, ceil(1.25 k)),
-k = round(f * L / B)``, every layer but the last sparse at any length and density). Prints per point the density
+k = max(2, round(f * L / B))``, every layer but the last sparse at any length and density). Prints per point the density
 and next-token KL / top-1 (mean and standard deviation over the windows), then the matched comparisons: mean
 pooling's KL at each trained point's density and its density at the trained point's KL (log-KL interpolated
 linearly in density along mean pooling's curve of means). Writes JSON and a PNG (one panel per length and block).
@@ -31,7 +31,7 @@ from _common import environment, header, save_figure, table, write_json
 
 
 PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over {sequences} windows "
-              "(error bars: standard error)")
+              "per point (error bars: standard error)")
 
 
 def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
@@ -50,7 +50,8 @@ def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
 
 
 def matched(rows: list[dict]) -> list[dict]:
-    """Per trained point: mean pooling's KL at its density and density at its KL (on the means' curve)."""
+    """Per trained point: mean pooling's KL at its density and density at its KL (on the means' curve; the second
+    reads it as a function of KL, which holds where mean pooling's KL falls with density, as in every run so far)."""
     out = []
     for (length, block) in dict.fromkeys((r["length"], r["block"]) for r in rows):
         group = [r for r in rows if r["length"] == length and r["block"] == block]
@@ -122,7 +123,8 @@ def main() -> None:
         rows = [row for index, row in enumerate(rows)  # a curve measured in several runs (mean pooling): the first
                 if (row["length"], row["block"], row["gates"], row["fraction"]) not in
                 {(r["length"], r["block"], r["gates"], r["fraction"]) for r in rows[:index]}]
-        args.sequences = runs[0]["args"]["sequences"]
+        counts = sorted({run["args"]["sequences"] for run in runs})
+        args.sequences = "-".join(str(count) for count in counts)
         args.last_n = runs[0]["args"]["last_n"]
         report(rows, runs[0]["environment"], args)
         if args.png:

@@ -40,8 +40,10 @@ def stdlib_prose() -> str:
     root = sysconfig.get_paths()["stdlib"]
     with open(os.path.join(root, "pydoc_data", "topics.py"), encoding="utf-8") as handle:
         tree = ast.parse(handle.read())
-    topics = next(ast.literal_eval(node.value) for node in tree.body
-                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "topics")
+    topics = next((ast.literal_eval(node.value) for node in tree.body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "topics"), None)
+    if not isinstance(topics, dict):
+        raise ValueError(f"{root}/pydoc_data/topics.py holds no `topics` dict: this Python's layout is not supported")
     parts = [topics[name].strip() for name in sorted(topics)]
     for path in sorted(glob.glob(os.path.join(root, "*.py"))):
         with open(path, encoding="utf-8", errors="replace") as handle:

@@ -34,6 +34,10 @@ from .kernels.reference import block_availability, block_summaries, causal_logit
 
 logger = logging.getLogger(__name__)
 
+#: Most bytes of one float32 ``[B, Hq, queries, blocks]`` tensor of the loss on the Triton path (it sets the queries
+#: per chunk there; a few such tensors and their gradients are live at once).
+TARGET_CHUNK_BYTES = 256 * 1024 * 1024
+
 #: File (in the output folder) holding the resumable training state.
 CHECKPOINT_FILENAME = "gate_training_checkpoint.safetensors"
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
@@ -54,7 +58,9 @@ class GateTrainingConfig:
         block_size: gate block size; ``None`` = the model's ``PLASConfig.block_size``.
         layers: layer indices to train; ``None`` = every layer not in the model's ``dense_layers``. The forward
             pass stops after the last of them.
-        query_chunk: queries whose dense attention is materialised at once (bounds memory).
+        query_chunk: queries whose dense logits the PyTorch path materialises at once (bounds its memory); the
+            Triton path writes no logits and takes as many queries at once as keep its per-block tensors under
+            :data:`TARGET_CHUNK_BYTES`.
         target: how the dense attention probabilities are pooled over a key block for the target: ``"max"`` (the
             block's strongest key; FastDeploy's PLAS) or ``"sum"`` (the block's attention mass: what a selection
             recalls).
@@ -248,10 +254,13 @@ def gate_distillation_loss(
     num_blocks = summaries.shape[2]
     total = query.new_zeros((), dtype=torch.float32)
     count = query.new_zeros((), dtype=torch.float32)
-    # The Triton target writes [c, blocks] per head, so one chunk holds every query; the PyTorch one materialises
-    # the [c, S] logits and goes query_chunk queries at a time. No host reads: rows with fewer than two blocks to
-    # rank are weighted 0.
-    chunk = length if backend_for(query) == "triton" else query_chunk
+    # The Triton target writes [c, blocks] per head (chunks bounded by TARGET_CHUNK_BYTES: at 8K one holds every
+    # query); the PyTorch one materialises the [c, S] logits and goes query_chunk queries at a time. No host reads:
+    # rows with fewer than two blocks to rank are weighted 0.
+    if backend_for(query) == "triton":
+        chunk = max(block_size, TARGET_CHUNK_BYTES // (4 * batch * q_heads * num_blocks))
+    else:
+        chunk = query_chunk
     for q0 in range(min(block_size, length), length, chunk):
         q1 = min(length, q0 + chunk)
         choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
@@ -631,7 +640,7 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=None, help="default: the model's PLASConfig.block_size")
     parser.add_argument("--layers", default=None, help="comma-separated layer indices (default: all sparse layers)")
     parser.add_argument("--query-chunk", type=int, default=GateTrainingConfig.query_chunk,
-                        help="queries whose dense attention is materialised at once (bounds memory)")
+                        help="queries whose dense logits the PyTorch (CPU) path materialises at once (bounds memory)")
     parser.add_argument("--target", choices=["max", "sum"], default=GateTrainingConfig.target,
                         help="pool the dense attention over a block by its max (default) or sum (its mass)")
     parser.add_argument("--include-forced", action="store_true",
@@ -666,12 +675,10 @@ def _run_train_gates(args: argparse.Namespace) -> int:
                                 learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
                                 layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
                                 target=args.target, skip_forced_blocks=not args.include_forced, seed=args.seed)
-    if args.data == ["stdlib"]:
-        from .eval import stdlib_training_files
+    from .eval import stdlib_training_files
 
-        texts = read_text_files(stdlib_training_files())
-    else:
-        texts = read_text_files(args.data)
+    patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]
+    texts = read_text_files(patterns)
     times: list[float] = []
     result = train_gates(model, texts, config, tokenizer=tokenizer, output_dir=args.out, overwrite=args.overwrite,
                          progress=not args.no_progress, on_step=lambda step, loss: times.append(time.perf_counter()))

@@ -194,6 +194,29 @@ def test_cli_train_gates(smollm2, tmp_path, capsys):
     assert (out / training.CHECKPOINT_FILENAME).is_file()
 
 
+def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch):
+    """--target, --include-forced and --data stdlib (beside a folder) become the run's settings and texts."""
+    seen = {}
+
+    def fake_train(model, texts, config, **kwargs):
+        seen.update(config=config, texts=texts)
+        return training.GateTrainingResult({}, [0.5], 1, SEQ, 0, None)
+
+    monkeypatch.setattr(training, "train_gates", fake_train)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "own.py").write_text("x = 1\n")
+    code = cli_main(["train-gates", "--model", "default", "--data", "stdlib", str(data), "--tokens", str(SEQ),
+                     "--out", str(tmp_path / "out"), "--seq-length", str(SEQ), "--target", "sum",
+                     "--include-forced", "--no-progress"])
+    assert code == 0
+    config = seen["config"]
+    assert config.target == "sum" and config.skip_forced_blocks is False
+    from hf_sparse.eval import stdlib_training_files
+
+    assert len(seen["texts"]) == len(stdlib_training_files()) + 1 and seen["texts"][-1] == "x = 1\n"
+
+
 def test_evaluate_gates_mean_pooling_equals_constant_gates():
     model = build(tiny_config(layers=2), "sdpa")
     ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
@@ -221,3 +244,7 @@ def test_training_data_and_held_out_prose_are_disjoint():
     prose = stdlib_prose()
     assert len(prose) > 500_000 and prose.startswith("The \"assert\" statement")  # the reference's topics first
     assert stdlib_text(1000)[:1000] not in prose  # the benchmarks' top-level source is not the prose either
+    # No training file holds a stretch of the held-out prose (samples across it).
+    training_text = "".join(training.read_text_files(files))
+    for start in range(0, len(prose) - 300, len(prose) // 25):
+        assert prose[start:start + 300] not in training_text, prose[start:start + 80]

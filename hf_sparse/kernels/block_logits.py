@@ -35,8 +35,8 @@ def _pooled_kernel(Q, K, OUT, stride_qb, stride_qh, stride_qs, stride_qd, stride
                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     batch_head = tl.program_id(1)
-    b = batch_head // Q_HEADS
-    h = batch_head % Q_HEADS
+    b = (batch_head // Q_HEADS).to(tl.int64)  # 64-bit offsets: batch x heads x queries x blocks may pass 2^31
+    h = (batch_head % Q_HEADS).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
