@@ -9,12 +9,17 @@ and next-token KL / top-1 (mean and standard deviation over the windows), then t
 pooling's KL at each trained point's density and its density at the trained point's KL (log-KL interpolated
 linearly in density along mean pooling's curve of means). Writes JSON and a PNG (one panel per length and block).
 
+``--oracle`` adds the best any block scorer could do: "oracle" ranks each query's blocks by their true dense
+attention mass (then the same threshold top-k, forced blocks and tile union as PLAS; the PyTorch reference of the
+selection, unpadded inputs): a gate set can at most approach its curve. ``--gates`` may then be empty.
+
     python benchmarks/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
         --json docs/runs/gate_gains.json --png docs/gate_gains.png
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -32,6 +37,47 @@ from _common import environment, header, save_figure, table, write_json
 
 PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over {sequences} windows "
               "per point (error bars: standard error)")
+
+
+def oracle_select_prefill(method, query, summaries, key, *, scale, q_offset, kv_start, **unused):
+    """PLAS's prefill selection with each query's blocks ranked by their true dense attention mass."""
+    from hf_sparse.kernels import reference
+    from hf_sparse.selection import BlockSelection
+
+    config = method.config
+    batch, q_heads, num_queries, _ = query.shape
+    block, tile = config.block_size, config.query_union
+    key_length = key.shape[2]
+    num_blocks = -(-key_length // block)
+    num_tiles = -(-num_queries // tile)
+    mask = torch.zeros(batch, q_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
+    block_ids = torch.arange(num_blocks, device=query.device)
+    for q0 in range(0, num_queries, 512):
+        q1 = min(num_queries, q0 + 512)
+        mass = torch.softmax(reference.pooled_block_logits(query[:, :, q0:q1], key, block, scale, q_offset + q0,
+                                                           "sum"), -1)
+        available = reference.block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block, key_length)
+        chosen = reference.threshold_topk(mass, available[:, None], config.prefill_top_k, config.search_steps)
+        own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
+        forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
+        chosen |= (forced[None] & available)[:, None]
+        for t in range(q0 // tile, -(-q1 // tile)):
+            lo, hi = max(q0, t * tile) - q0, min(q1, (t + 1) * tile) - q0
+            mask[:, :, t] |= chosen[:, :, lo:hi].any(2)
+    return BlockSelection.from_mask(mask, block_size=block, query_tile=tile)
+
+
+@contextlib.contextmanager
+def oracle_selection():
+    """Within: PLAS's prefill ranks blocks by true attention mass (:func:`oracle_select_prefill`)."""
+    from hf_sparse.methods.plas import PLASMethod
+
+    original = PLASMethod.select_prefill
+    PLASMethod.select_prefill = oracle_select_prefill
+    try:
+        yield
+    finally:
+        PLASMethod.select_prefill = original
 
 
 def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
@@ -100,7 +146,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gates", nargs="+", help="gate files or folders (one block size each)")
+    parser.add_argument("--gates", nargs="*", default=[], help="gate files or folders (one block size each)")
+    parser.add_argument("--oracle", type=int, nargs="*", default=[], metavar="BLOCK",
+                        help="also the oracle selection (blocks ranked by true attention mass) at these block sizes")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
                         help="no run: the tables and --png of earlier runs' --json files (their rows together)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -130,8 +178,8 @@ def main() -> None:
         if args.png:
             plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
         return
-    if not args.gates:
-        parser.error("name at least one gate file (--gates) or earlier runs (--replot)")
+    if not args.gates and not args.oracle:
+        parser.error("name at least one gate file (--gates), --oracle BLOCK or earlier runs (--replot)")
     env = environment()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
@@ -153,8 +201,10 @@ def main() -> None:
             model.set_attn_implementation("sdpa")
             with torch.no_grad():
                 dense = torch.log_softmax(model(ids[None], logits_to_keep=args.last_n).logits.float(), -1)[0]
-            runs = [(block, "mean pooling", None) for block in dict.fromkeys(block for _, block in files)]
+            blocks = dict.fromkeys([block for _, block in files] + args.oracle)
+            runs = [(block, "mean pooling", None) for block in blocks]
             runs += [(block, name, path) for (path, block), name in zip(files, names)]
+            runs += [(block, "oracle", "oracle") for block in args.oracle]
             for block, gates_name, path in runs:
                 for fraction in args.fractions:
                     left = max(2, round(fraction * length / block))
@@ -162,8 +212,9 @@ def main() -> None:
                                                   prefill_top_k=(left, math.ceil(1.25 * left)),
                                                   dense_above_density=None, density_memory=False)
                     hf_sparse.configure(model, config)
-                    set_gates(model, None if path is None else read_gate_file(path, gate_spec(model, block)))
-                    sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
+                    set_gates(model, None if path in (None, "oracle") else read_gate_file(path, gate_spec(model, block)))
+                    with oracle_selection() if path == "oracle" else contextlib.nullcontext():
+                        sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
                     kl = (dense.exp() * (dense - sparse)).sum(-1)
                     samples.append({"length": length, "block": block, "gates": gates_name, "fraction": fraction,
                                     "top_k": [left, math.ceil(1.25 * left)], "window": index, "density": density,
