@@ -34,7 +34,7 @@ def stdlib_prose() -> str:
     """English prose from the standard library, never code: the Python reference's topic texts
     (``pydoc_data.topics``, sorted by topic) followed by the docstrings (module, class, function) of the
     top-level ``*.py`` files in sorted order. The held-out text of gate training, whose data is code
-    (:func:`stdlib_training_files`)."""
+    (:func:`stdlib_training_files`). It is the running interpreter's: other Python versions give other text."""
     import ast
 
     root = sysconfig.get_paths()["stdlib"]
