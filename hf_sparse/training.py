@@ -30,7 +30,7 @@ from .gates import (GATE_FILENAME, attention_modules, gate_spec, model_plas_conf
                     write_gate_file)
 from .integration import attention_probe
 from .kernels import backend_for, pooled_block_logits
-from .kernels.reference import block_availability, block_summaries, causal_logits
+from .kernels.reference import block_availability, block_summaries
 
 logger = logging.getLogger(__name__)
 
@@ -186,18 +186,13 @@ def _data_order(num_sequences: int, steps: int, batch_size: int, seed: int) -> t
 
 
 # -- the distillation objective -------------------------------------------------------------------------------
-def _causal_probs(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float) -> torch.Tensor:
-    """Dense causal attention probabilities of queries ``q0..`` (float32 ``[B, Hq, c, S]``), no padding."""
-    return torch.softmax(causal_logits(query, key, scale, q0), dim=-1)
-
-
-def _blockwise(probs: torch.Tensor, block_size: int, num_blocks: int, reduce: str) -> torch.Tensor:
-    """Max or sum of ``probs`` over each key block: ``[..., S] -> [..., num_blocks]``."""
-    pad = num_blocks * block_size - probs.shape[-1]
-    if pad:
-        probs = torch.nn.functional.pad(probs, (0, pad))
-    blocks = probs.unflatten(-1, (num_blocks, block_size))
-    return blocks.amax(-1) if reduce == "max" else blocks.sum(-1)
+def _pooled(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int, num_blocks: int,
+            pool: str) -> torch.Tensor:
+    """:func:`hf_sparse.kernels.pooled_block_logits` of queries ``q0..`` over ``key[:, :, :q1]``, padded with
+    ``-inf`` to ``num_blocks`` blocks (those past the chunk's keys are never visible)."""
+    pooled = pooled_block_logits(query, key, block_size, scale, q0, pool)
+    missing = num_blocks - pooled.shape[-1]
+    return torch.nn.functional.pad(pooled, (0, missing), value=float("-inf")) if missing else pooled
 
 
 def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
@@ -208,10 +203,7 @@ def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale:
     A block's largest probability is ``exp(max logit - lse)``, its mass ``exp(logsumexp of its logits - lse)``;
     the row's ``lse`` cancels in the renormalisation, so the target is the softmax over the choosable blocks of
     the pooled logits (:func:`hf_sparse.kernels.pooled_block_logits`: on the GPU no logit matrix is written)."""
-    peak = pooled_block_logits(query, key, block_size, scale, q0, pool)
-    missing = choosable.shape[-1] - peak.shape[-1]  # blocks past the chunk's keys: never choosable
-    if missing:
-        peak = torch.nn.functional.pad(peak, (0, missing), value=float("-inf"))
+    peak = _pooled(query, key, q0, scale, block_size, choosable.shape[-1], pool)
     return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
@@ -590,9 +582,11 @@ def layer_metrics(query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | N
     ranked_count = all_count = 0
     for q0 in range(min(block_size, length), length, query_chunk):
         q1 = min(length, q0 + query_chunk)
-        probs = _causal_probs(query[:, :, q0:q1], key[:, :, :q1], q0, scale)
-        peak = _blockwise(probs, block_size, num_blocks, "max")
-        mass = _blockwise(probs, block_size, num_blocks, "sum")
+        # Each block's largest attention probability and its mass: pooled logits less the row's normaliser.
+        log_mass = _pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "sum")
+        lse = torch.logsumexp(log_mass, -1, keepdim=True)
+        mass = (log_mass - lse).exp()
+        peak = (_pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "max") - lse).exp()
         available = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, None)
         choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
         log_all = _log_predictions(query[:, :, q0:q1], summaries, available, scale)
