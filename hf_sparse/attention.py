@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -102,10 +102,27 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
         )
 
 
+#: Keyword arguments that take a call off :func:`short_prefill`'s path when set (a feature to compute or refuse).
+_UNUSUAL_KWARGS = tuple(FEATURES) + ("output_attentions", "sliding_window")
+
+
+def short_prefill(config: Any, num_queries: int, key_length: int, query: torch.Tensor, cache_layer: Any,
+                  kwargs: dict[str, Any]) -> bool:
+    """Whether a call is a prefill shorter than the method's ``dense_below`` that needs nothing beyond sdpa's
+    dense attention (no logN, no int8 K/V to dequantise, none of :data:`_UNUSUAL_KWARGS`): the dense path exactly as
+    sdpa runs it, decided in a few host steps."""
+    return (key_length < config.dense_threshold("prefill") and call_phase(num_queries, key_length) == "prefill"
+            and not getattr(config, "logn_scaling", False) and query.dtype in SUPPORTED_DTYPES
+            and not getattr(cache_layer, "quantized", False)
+            and all(kwargs.get(name) is None for name in _UNUSUAL_KWARGS))
+
+
 def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
     """The kernels' ``softcap`` and ``sinks`` arguments from what the model passed (``softcap``; ``s_aux``, one
     logit per query head), validated; empty when the model passes neither."""
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is None and sinks is None:
+        return {}
     kernels.reference.check_softcap_and_sinks(softcap, sinks, query)
     return {name: value for name, value in (("softcap", softcap), ("sinks", sinks)) if value is not None}
 
@@ -182,16 +199,26 @@ def sparse_attention_forward(
     sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
+    config = method_config(module.config, method)
+    cache_layer = getattr(key, LAYER_ATTR, None)
+    if short_prefill(config, num_queries, key_length, query, cache_layer, kwargs):
+        # The common short prompt, every layer dense: the fewest host steps (it is bound by the host's time per
+        # layer, and the dense decision is to cost next to nothing beside sdpa's own).
+        if cache_layer is not None and cache_layer.static and cache_layer.row_layout is None:
+            cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
+        if recording():
+            layer_idx = getattr(module, "layer_idx", 0)
+            dense_layer = config.is_dense_layer(layer_idx, getattr(module.config, "num_hidden_layers", layer_idx + 1))
+            record(LayerRecord(layer_idx, "prefill", "dense_layers" if dense_layer else
+                               f"length {key_length} < dense_below {config.dense_threshold('prefill')}"))
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
     extras = softcap_and_sinks(kwargs, query)  # softcap / sinks for the kernels
-    config = method_config(module.config, method)
     layer_idx = getattr(module, "layer_idx", 0)
-    num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
     phase = call_phase(num_queries, key_length)
     logn_base = logn_base_for(config, module.config)
-    cache_layer = getattr(key, LAYER_ATTR, None)
     quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)
 
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
@@ -203,7 +230,8 @@ def sparse_attention_forward(
     window = kwargs.get("sliding_window")
     on_device = window is None and static_decode(phase, cache_layer, config.block_size, query)
     below = key_length < config.dense_threshold(phase)
-    if on_device and (below or config.is_dense_layer(layer_idx, num_layers)):
+    dense_layer = config.is_dense_layer(layer_idx, getattr(module.config, "num_hidden_layers", layer_idx + 1))
+    if on_device and (below or dense_layer):
         # A dense layer, or a short sequence, in a static decode step: every valid block through the decode kernel.
         if recording():
             record(LayerRecord(layer_idx, phase, f"length {key_length} < dense_below" if below else "dense_layers"))
@@ -212,17 +240,20 @@ def sparse_attention_forward(
     reason = None
     if window is not None:
         reason = f"sliding window of {window} tokens"
-    elif config.is_dense_layer(layer_idx, num_layers):
+    elif dense_layer:
         reason = "dense_layers"
-    elif key_length < config.dense_threshold(phase):
-        reason = f"length {key_length} < dense_below {config.dense_threshold(phase)}"
+    elif below:
+        reason = functools.partial("length {} < dense_below {}".format, key_length, config.dense_threshold(phase))
     elif not getattr(module, "is_causal", True):
         raise NotImplementedError("hf_sparse attention supports causal (decoder) attention only")
 
-    def run_dense(reason: str) -> tuple[torch.Tensor, None]:
-        logger.debug("layer %d %s: dense (%s)", layer_idx, phase, reason)
-        if recording():
-            record(LayerRecord(layer_idx, phase, reason))
+    def run_dense(reason: str | Callable[[], str]) -> tuple[torch.Tensor, None]:
+        # (a reason is formatted only where it is read: a short prefill is bound by the host's time per layer)
+        if recording() or logger.isEnabledFor(logging.DEBUG):
+            reason = reason if isinstance(reason, str) else reason()
+            logger.debug("layer %d %s: dense (%s)", layer_idx, phase, reason)
+            if recording():
+                record(LayerRecord(layer_idx, phase, reason))
         dense_query = query if logn_base is None else logn_scaled(query, attention_mask, key_length, logn_base)
         dense_key, dense_value = dequantized_kv(key, value, cache_layer, query.dtype) if quantized else (key, value)
         return dense_attention(module, dense_query, dense_key, dense_value, attention_mask, dropout=dropout,
@@ -261,12 +292,12 @@ def sparse_attention_forward(
         threshold = probe_threshold(config.dense_above_density, share)
         floor = policy.density_floor(num_queries, key_length)
         if floor >= threshold:
-            return run_dense(f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_density "
-                             f"{config.dense_above_density} less the selection, {share:.2f} of dense attention)")
+            return run_dense(lambda: f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_"
+                             f"density {config.dense_above_density} less the selection, {share:.2f} of dense attention)")
         known = density.recall(module, config, key_length, num_queries) if config.density_memory else None
         if known is not None:
             if known.dense:
-                return run_dense(f"{known.reason}; remembered for this length")
+                return run_dense(lambda: f"{known.reason}; remembered for this length")
             falls_back = False  # remembered sparse: no probe, no density read
     # Summaries only now: a layer decided dense above computes none (a later call summarises what it needs).
     device_length = {}

@@ -32,6 +32,11 @@ def _check_max_cache_len(max_cache_len: int | None) -> int | None:
     return int(max_cache_len)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class SparseCacheLayer(CacheLayerMixin):
     """One layer's KV in preallocated storage ``[B, H, capacity, D]`` grown by whole chunks, and float32
     block summaries ``[B, H, capacity // block_size, D]`` computed once per full block.
@@ -111,9 +116,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.decode_gate: tuple[torch.Tensor | None] | None = None
         self._decode_summaries_due = True
         self.row_layout: RowLayout | None = None
-        # The tensor row layouts' starts are kept in, and its (low, high): kept across reset() for reuse.
-        self._starts_buffer: torch.Tensor | None = None
-        self._layout_range: tuple[int, int] | None = None
+        # The layout whose starts tensor this layer keeps (across reset(), for reuse by the next sequence).
+        self._kept_layout: RowLayout | None = None
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -198,26 +202,26 @@ class SparseCacheLayer(CacheLayerMixin):
                     f"SparseCache holds batch {self.key_storage.shape[0]} but got states for batch {key_states.shape[0]}"
                 )
             self._grow(new_length, key_states, value_states)
+        # A static layer writes at the device's length while a CUDA graph captures (what a replay reads), else at
+        # the host's, which equals it then, and sets the device's (fewer launches: a short prefill is host-bound).
+        on_device = self.static and capturing(self.device)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
-            start = self.device_length if self.static else self.length
+            start = self.device_length if on_device else self.length
             kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
                                     self.key_scale_storage, self.value_scale_storage, start)
-            if self.static:
-                self.device_length.add_(key_states.shape[2])
-        elif self.static:
-            self._write_at_device_length(key_states, value_states)
+        elif on_device:
+            positions = self.device_length + torch.arange(key_states.shape[2], device=self.device_length.device)
+            self.key_storage.index_copy_(2, positions, key_states)
+            self.value_storage.index_copy_(2, positions, value_states)
         else:
             self.key_storage[:, :, self.length : new_length] = key_states
             self.value_storage[:, :, self.length : new_length] = value_states
+        if on_device:
+            self.device_length.add_(key_states.shape[2])
+        elif self.static:
+            self.device_length.fill_(new_length)
         self.length = new_length
         return self._views()
-
-    def _write_at_device_length(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Static float layers: write at slots ``device_length + [0, n)`` and advance it, all on the device."""
-        positions = self.device_length + torch.arange(key_states.shape[2], device=self.device_length.device)
-        self.key_storage.index_copy_(2, positions, key_states)
-        self.value_storage.index_copy_(2, positions, value_states)
-        self.device_length.add_(key_states.shape[2])
 
     # -- summaries ----------------------------------------------------------------------------------------
     def block_summaries(self, gate_weight: torch.Tensor | None, row_layout: RowLayout | torch.Tensor) -> torch.Tensor:
@@ -261,18 +265,19 @@ class SparseCacheLayer(CacheLayerMixin):
         range is then read once), and lay int8 values out for it (blocked when every row starts at one slot on
         the block grid)."""
         row_layout = RowLayout.of(row_layout)
-        starts = self._starts_buffer
-        same_range = self._layout_range == (row_layout.low, row_layout.high)
-        if (same_range and starts is not None and starts.shape == row_layout.starts.shape
-                and starts.device == row_layout.starts.device and starts.dtype == row_layout.starts.dtype):
+        kept = self._kept_layout
+        if (kept is not None and (kept.low, kept.high) == (row_layout.low, row_layout.high)
+                and kept.starts.shape == row_layout.starts.shape and kept.starts.device == row_layout.starts.device
+                and kept.starts.dtype == row_layout.starts.dtype):
             # A reset cache starting a sequence of the same layout range: the starts are written in place, so
-            # the version (and a CUDA graph captured over this layer) stays valid.
-            starts.copy_(row_layout.starts)
+            # the version (and a CUDA graph captured over this layer) stays valid. A range of one value (no
+            # padding spread) fixes every start: the kept tensor holds them already.
+            if row_layout.low != row_layout.high:
+                kept.starts.copy_(row_layout.starts)
         else:
-            starts = self._starts_buffer = row_layout.starts.clone()
-            self._layout_range = (row_layout.low, row_layout.high)
+            kept = self._kept_layout = RowLayout(row_layout.starts.clone(), row_layout.low, row_layout.high)
             self.version += 1
-        self.row_layout = RowLayout(starts, row_layout.low, row_layout.high)
+        self.row_layout = kept
         if self.quantized:
             self._lay_out_values(self.row_layout.aligned(self.block_size))
 
@@ -304,8 +309,7 @@ class SparseCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        if self.device_length is not None:
-            self.device_length.zero_()
+        # (device_length is set by the next update(), which a new sequence's first call makes outside a capture)
         self.length = 0
         self.summarized_blocks = 0
         self._summary_source = None
@@ -340,9 +344,7 @@ class SparseCacheLayer(CacheLayerMixin):
             self.value_scale_storage = fn(self.value_scale_storage)
         self.summary_storage = fn(self.summary_storage)
         if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
-            self.row_layout = RowLayout.read(fn(self.row_layout.starts))
-            self._starts_buffer = self.row_layout.starts
-            self._layout_range = (self.row_layout.low, self.row_layout.high)
+            self.row_layout = self._kept_layout = RowLayout.read(fn(self.row_layout.starts))
         self.version += 1
         self._views()
 

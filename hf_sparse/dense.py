@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
 from . import kernels
 from .padding import mask_layout, padding_layout
 
@@ -18,20 +21,21 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     A model that passes ``softcap`` (Gemma 2) or ``s_aux`` (GPT-OSS's sinks) gets :func:`eager_attention` with
     transformers' eager mask: sdpa cannot compute either (transformers' sdpa raises on ``softcap`` and ignores
     ``s_aux``), and those models run eager attention by default."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
-
     softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
     eager = softcap is not None or sinks is not None
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
-    if (not eager and attention_mask is not None and attention_mask.dim() == 2
-            and (num_queries == 1 or num_queries == key_length) and not torch.compiler.is_compiling()):
-        # sdpa_mask would return None (sdpa's is_causal) for a mask without padding here; the memoised layout
-        # answers that without a host read per layer.
-        rows, left_padded = mask_layout(attention_mask, key_length, query.device)
-        if left_padded and rows.high == 0:
-            attention_mask = None
     window = kwargs.pop("sliding_window", None)
+    if (not eager and window is None and (num_queries == 1 or num_queries == key_length)
+            and not torch.compiler.is_compiling()):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # A mask without padding: the memoised layout says so without a host read per layer.
+            rows, left_padded = mask_layout(attention_mask, key_length, query.device)
+            if left_padded and rows.high == 0:
+                attention_mask = None
+        if attention_mask is None:
+            # sdpa_mask would return None here (sdpa's is_causal); called straight (a short prefill is bound by
+            # the host's time per layer).
+            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     shape = {} if window is None else {"mask_function": sliding_window_causal_mask_function(window),
                                        "local_size": window}
     if attention_mask is None or attention_mask.dim() == 2:

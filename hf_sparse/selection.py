@@ -103,8 +103,14 @@ class RowLayout:
 
     @classmethod
     def uniform(cls, batch: int, device: torch.device | str | None = None, start: int = 0) -> "RowLayout":
-        """Every row starting at slot ``start`` (no padding by default); nothing is read back."""
-        return cls(torch.full((batch,), start, dtype=torch.int64, device=device), start, start)
+        """Every row starting at slot ``start`` (no padding by default); nothing is read back. One object per
+        (batch, device, start), made once: every layer of every call shares it, so its ``starts`` are never to be
+        changed in place (as any layout passed down a forward)."""
+        key = (batch, torch.device(device) if device is not None else torch.device("cpu"), start)
+        layout = _UNIFORM.get(key)
+        if layout is None:
+            layout = _UNIFORM[key] = cls(torch.full((batch,), start, dtype=torch.int64, device=key[1]), start, start)
+        return layout
 
     @classmethod
     def of(cls, kv_start: "torch.Tensor | RowLayout") -> "RowLayout":
@@ -124,6 +130,10 @@ class RowLayout:
         """Whether every row starts at one slot that is a multiple of ``multiple`` (no padding, or the same in
         every row): then tiles of ``multiple`` slots counted from each row's start lie on the storage grid."""
         return self.low == self.high and self.low % multiple == 0
+
+
+#: RowLayout.uniform's layouts, by (batch, device, start).
+_UNIFORM: dict[tuple[int, torch.device, int], RowLayout] = {}
 
 
 def row_starts(kv_start: "torch.Tensor | RowLayout") -> torch.Tensor:

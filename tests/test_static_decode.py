@@ -297,7 +297,27 @@ def test_static_cache_validation_and_growth():
     layer.crop(-5)
     assert layer.length == 50 and int(layer.device_length) == 50
     cache.reset()
-    assert int(layer.device_length) == 0
+    layer.update(keys[:, :, :7], keys[:, :, :7])  # a new sequence's first call sets the device's length
+    assert layer.length == 7 and int(layer.device_length) == 7
+
+
+def test_a_static_layer_writes_at_the_device_length_while_capturing(monkeypatch):
+    """Outside a CUDA-graph capture a static layer writes at the host's length and sets the device's; while
+    capturing it writes at (and advances) the device's, which a replay reads."""
+    from hf_sparse import cache as cache_module
+
+    layer = SparseCache(tiny_config(layers=1), block_size=16, max_cache_len=40).layers[0]
+    first, step = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 1, 16)
+    layer.update(first, first)
+    layer.device_length.fill_(5)  # as if a replay had moved the device's length on
+    monkeypatch.setattr(cache_module, "capturing", lambda device: True)
+    layer.update(step, step)
+    assert int(layer.device_length) == 6 and layer.length == 21
+    torch.testing.assert_close(layer.key_storage[:, :, 5:6], step)
+    monkeypatch.setattr(cache_module, "capturing", lambda device: False)
+    layer.update(step * 2, step * 2)
+    assert int(layer.device_length) == 22 and layer.length == 22
+    torch.testing.assert_close(layer.key_storage[:, :, 21:22], step * 2)
 
 
 def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
