@@ -392,9 +392,10 @@ class SparseCache(Cache):
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if num_layers is not None:
-            # Sliding-window layers attend densely inside their window (attention.py): a dynamic cache keeps only
-            # that window for them, as transformers' does; a static one keeps every token.
-            windows = layer_windows(config) if max_cache_len is None else [None] * num_layers
+            # Sliding-window layers attend densely inside their window (attention.py): the cache keeps only that
+            # window for them, as transformers' caches do (static ones too: such models decode without CUDA graphs,
+            # graphs.window_layers, so their window layers need no static storage).
+            windows = layer_windows(config)
             layers = [SparseCacheLayer(block_size, chunk_blocks, kv_dtype, max_cache_len) if window is None
                       else DynamicSlidingWindowLayer(sliding_window=window) for window in windows]
             super().__init__(layers=layers)

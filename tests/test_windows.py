@@ -68,6 +68,13 @@ def test_window_layers_equal_sdpa(arch, method):
         assert isinstance(cache, hf_sparse.SparseCache)
         kept = [layer.keys.shape[2] for layer in cache.layers]
         assert all((kept_tokens < WINDOW) == (i in windows) for i, kept_tokens in enumerate(kept)), kept
+        # A static cache (cache_implementation="static") keeps a window layer's window too, not every token.
+        static = sparse.generate(ids, attention_mask=mask, return_dict_in_generate=True, cache_implementation="static",
+                                 **kwargs)
+        assert torch.equal(static.sequences, result.sequences)
+        assert static.past_key_values.static_length is not None
+        for i, layer in enumerate(static.past_key_values.layers):
+            assert (layer.keys.shape[2] < WINDOW) if i in windows else layer.capacity >= 56, (i, layer.keys.shape)
         hf_sparse.configure(sparse, few)
         assert torch.isfinite(sparse(ids, attention_mask=mask).logits).all()
         assert sparse.generate(ids, attention_mask=mask, **kwargs).shape == (2, 56)
