@@ -201,16 +201,13 @@ def sparse_attention_forward(
     key_length = key.shape[2]
     config = method_config(module.config, method)
     cache_layer = getattr(key, LAYER_ATTR, None)
-    if short_prefill(config, num_queries, key_length, query, cache_layer, kwargs):
+    if getattr(cache_layer, "static", False) and cache_layer.row_layout is None:
+        # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
+        cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
+    if not recording() and short_prefill(config, num_queries, key_length, query, cache_layer, kwargs):
         # The common short prompt, every layer dense: the fewest host steps (it is bound by the host's time per
-        # layer, and the dense decision is to cost next to nothing beside sdpa's own).
-        if cache_layer is not None and cache_layer.static and cache_layer.row_layout is None:
-            cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
-        if recording():
-            layer_idx = getattr(module, "layer_idx", 0)
-            dense_layer = config.is_dense_layer(layer_idx, getattr(module.config, "num_hidden_layers", layer_idx + 1))
-            record(LayerRecord(layer_idx, "prefill", "dense_layers" if dense_layer else
-                               f"length {key_length} < dense_below {config.dense_threshold('prefill')}"))
+        # layer, and the dense decision is to cost next to nothing beside sdpa's own). Recording takes the path
+        # below, which names each layer's reason.
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:
@@ -222,9 +219,6 @@ def sparse_attention_forward(
     quantized = cache_layer is not None and getattr(cache_layer, "quantized", False)
 
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    if getattr(cache_layer, "static", False) and cache_layer.row_layout is None:
-        # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
-        cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
     # A sliding-window layer attends inside its window, dense, exactly as transformers' sdpa path (on the host's
     # length: models with such layers decode without CUDA graphs, graphs.window_layers).
     window = kwargs.get("sliding_window")
