@@ -78,18 +78,20 @@ from _common import (LLAMA3_8B_ATTENTION, SMOLLM2_ATTENTION, best_sdpa, cell, en
                      median_ms, progress, require_cuda, speedup, structured_qkv, table, write_json)
 from hf_sparse import kernels
 from hf_sparse.config import PLASConfig, XAttnConfig
-from hf_sparse.kernels import reference as ref
+from hf_sparse.kernels import reference as ref, sparse_prefill
 from hf_sparse.methods import METHODS
 from hf_sparse.selection import BlockSelection, RowLayout
 
-Q_HEADS, KV_HEADS, HEAD_DIM = LLAMA3_8B_ATTENTION
+#: The attention shape of every table but the crossover study's (``--shape``).
+SHAPE = LLAMA3_8B_ATTENTION
+Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
 PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
 CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION}
 
 #: ``--tune`` sweeps, per kernel module: every combination of these settings of its ``TUNING`` dict.
 TUNE_GRIDS = {
-    "sparse_prefill": {"block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
+    "sparse_prefill": {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
     "select_blocks": {"logits_per_program": [8192, 16384, 32768], "logits_per_warp": [1024, 2048],
                       "max_warps": [8, 16]},
     "sparse_decode": {"programs_per_sm": [2, 4, 8], "max_splits": [64, 256], "num_warps": [4, 8],
@@ -190,10 +192,12 @@ def tune_grids(overrides: list[str]) -> dict:
     return grids
 
 
-def sweep(kernel: str, grid: dict[str, list], timers: dict, saved_too: tuple[str, ...] = ()) -> list[dict]:
+def sweep(kernel: str, grid: dict[str, list], timers: dict, saved_too: tuple[str, ...] = (),
+          defaults: dict | None = None) -> list[dict]:
     """Every combination of ``grid`` written into ``hf_sparse.kernels.<kernel>.TUNING`` in turn (and into the
     module's dicts named in ``saved_too``, emptied meanwhile so the settings apply everywhere), each timed by
-    every timer (a setting that does not compile or launch: its error); the dicts restored after."""
+    every timer (a setting that does not compile or launch: its error); the dicts restored after. ``defaults``:
+    the settings the kernel uses on these inputs, to mark (``TUNING`` when not given)."""
     module = importlib.import_module(f"hf_sparse.kernels.{kernel}")
     unknown = set(grid) - set(module.TUNING)
     if unknown:
@@ -206,7 +210,8 @@ def sweep(kernel: str, grid: dict[str, list], timers: dict, saved_too: tuple[str
         for values in itertools.product(*grid.values()):
             setting = dict(zip(grid, values))
             module.TUNING.update(setting)
-            row = {**setting, "default": all(saved["TUNING"][key] == value for key, value in setting.items())}
+            used = defaults if defaults is not None else saved["TUNING"]
+            row = {**setting, "default": all(used[key] == value for key, value in setting.items())}
             for label, timer in timers.items():
                 try:
                     row[label] = timer()
@@ -225,7 +230,7 @@ def sweep(kernel: str, grid: dict[str, list], timers: dict, saved_too: tuple[str
 
 
 def prefill_row(length: int, flex, grids: dict | None) -> dict:
-    query, key, value = structured_qkv(1, length, length)
+    query, key, value = structured_qkv(1, length, length, shape=SHAPE)
     kv_start = RowLayout.uniform(1, "cuda")
 
     def summaries():
@@ -250,12 +255,13 @@ def prefill_row(length: int, flex, grids: dict | None) -> dict:
         row[f"attend_{name}_ms"] = median_ms(lambda: attend(query, key8, values8, selection, kv_start, **scales))
     if grids is not None:
         row["tune_attend"] = sweep("sparse_prefill", grids["sparse_prefill"],
-                                   {"ms": lambda: median_ms(lambda: attend(query, key, value, selection, kv_start))})
+                                   {"ms": lambda: median_ms(lambda: attend(query, key, value, selection, kv_start))},
+                                   saved_too=("TUNING_SMALL_HEAD",), defaults=sparse_prefill.launch_settings(HEAD_DIM))
         row["tune_select"] = sweep("select_blocks", grids["select_blocks"],
                                    {"ms": lambda: median_ms(lambda: prefill_select(query, summ, kv_start))})
         # where the selection's time goes: the same launch with the threshold search skipped
         row["select_no_search_ms"] = median_ms(lambda: prefill_select(query, summ, kv_start, search_steps=0))
-    q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
+    q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1, shape=SHAPE)
     iid = prefill_select(q_iid, kernels.block_summaries(k_iid, None, kv_start, BLOCK), kv_start)
     row["iid_density"] = iid.counts.sum().item() / causal_blocks
     return row
@@ -263,7 +269,7 @@ def prefill_row(length: int, flex, grids: dict | None) -> dict:
 
 def xattn_row(length: int, flex, sharpness: float, threshold: float = 0.9, stride: int = 8) -> dict:
     """XAttention prefill on the structured inputs: scoring + threshold selection, then the sparse attention."""
-    query, key, value = structured_qkv(1, length, length, sharpness=sharpness)
+    query, key, value = structured_qkv(1, length, length, sharpness=sharpness, shape=SHAPE)
     kv_start = RowLayout.uniform(1, "cuda")
     method = METHODS["xattn"](XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold))
     group = Q_HEADS // KV_HEADS
@@ -297,13 +303,13 @@ def xattn_row(length: int, flex, sharpness: float, threshold: float = 0.9, strid
         per_query_head = BlockSelection.from_mask(
             selection.to_mask(-(-length // BLOCK)).repeat_interleave(group, 1), BLOCK, BLOCK)
         row["flex_ms"] = flex_ms(flex, query, key, value, per_query_head, length)
-    q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1)
+    q_iid, k_iid, _ = structured_qkv(1, length, length, structured=False, seed=1, shape=SHAPE)
     row["iid_density"] = select(q_iid, k_iid).counts.sum().item() / causal_blocks
     return row
 
 
 def decode_row(length: int, batch: int, grids: dict | None) -> dict:
-    query, key, value = structured_qkv(batch, 1, length)
+    query, key, value = structured_qkv(batch, 1, length, shape=SHAPE)
     kv_start = RowLayout.uniform(batch, "cuda")  # nothing read back to the host inside a graph
     num_blocks = -(-length // BLOCK)
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)  # kept by the cache between steps
@@ -354,7 +360,7 @@ def feature_rows(length: int, batch: int) -> list[dict]:
     rows = []
     for phase in ("prefill", "decode"):
         num_queries, rows_batch = (length, 1) if phase == "prefill" else (1, batch)
-        query, key, value = structured_qkv(rows_batch, num_queries, length)
+        query, key, value = structured_qkv(rows_batch, num_queries, length, shape=SHAPE)
         kv_start = RowLayout.uniform(rows_batch, "cuda")
         summ = kernels.block_summaries(key, None, kv_start, BLOCK)
         if phase == "prefill":
@@ -542,7 +548,7 @@ def layout_times(query, key, value, selection, **call) -> dict:
 
 
 def int8_layout_rows(length: int, batch: int) -> list[dict]:
-    query, key, value = structured_qkv(batch, 1, length)
+    query, key, value = structured_qkv(batch, 1, length, shape=SHAPE)
     rows = []
     # rows at one start (none, or 256 slots of padding in each) and rows apart (batch 1: off the block grid)
     for case, starts in (("no padding", [0] * batch), ("padding 256 in every row", [256] * batch),
@@ -614,7 +620,7 @@ def compare_variants(variants: dict, select, label: str, rounds: int, timer) -> 
 
 
 def prefill_variant_rows(variants: dict, length: int, rounds: int) -> list[dict]:
-    query, key, _ = structured_qkv(1, length, length)
+    query, key, _ = structured_qkv(1, length, length, shape=SHAPE)
     kv_start = RowLayout.uniform(1, "cuda")
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)
     label = f"prefill {length} (ms)"
@@ -625,7 +631,7 @@ def prefill_variant_rows(variants: dict, length: int, rounds: int) -> list[dict]
 
 
 def decode_variant_rows(variants: dict, length: int, batch: int, rounds: int) -> list[dict]:
-    query, key, _ = structured_qkv(batch, 1, length)
+    query, key, _ = structured_qkv(batch, 1, length, shape=SHAPE)
     kv_start = RowLayout.uniform(batch, "cuda")
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)
     return compare_variants(variants, lambda op: decode_select(query, summ, kv_start, length, op=op),
@@ -701,7 +707,12 @@ def main() -> None:
                         help="study: A/B of this copy of hf_sparse/kernels/select_blocks.py against the package's")
     parser.add_argument("--select-rounds", type=int, default=3, help="rounds of --select-variant (default: 3)")
     parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--shape", choices=list(CROSSOVER_SHAPES), default="llama3-8b",
+                        help="attention shape of the tables and sweeps (default: %(default)s)")
     args = parser.parse_args()
+    global SHAPE, Q_HEADS, KV_HEADS, HEAD_DIM
+    SHAPE = CROSSOVER_SHAPES[args.shape]
+    Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
     grids = tune_grids(args.tune_grid) if args.tune else None
     require_cuda("bench_attention.py")
     env = environment()
@@ -740,7 +751,7 @@ def main() -> None:
         for length, batch in itertools.product(args.decode, args.decode_batches):
             results["decode"].append(fresh(decode_row(length, batch, grids if length == args.decode[-1] else None)))
             progress(f"decode {json.dumps(results['decode'][-1])}")
-    print(f"\n{header(env)}\nLlama-3-8B attention: {Q_HEADS} query heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}, "
+    print(f"\n{header(env)}\n{args.shape} attention: {Q_HEADS} query heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}, "
           f"bfloat16, block {BLOCK}; structured inputs (seed 0)")
     print_tables(results.get("prefill", []), results.get("xattn", []), results.get("decode", []))
     if "crossover" in results:

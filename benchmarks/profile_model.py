@@ -76,7 +76,14 @@ def kernel_table(prof, per: int, rows: int) -> str:
 
 
 def gpu_intervals(prof) -> list[tuple[float, float]]:
-    """(start, end) in us of every kernel, copy and memset of the profile, by start."""
+    """(start, end) in us of every kernel, copy and memset of the profile, by start (the profiler's device-side
+    events; the chrome trace's categories when the profiler does not list its events)."""
+    try:
+        events = prof.profiler.kineto_results.events()
+        return sorted((e.start_ns() / 1e3, e.end_ns() / 1e3) for e in events
+                      if e.device_type() == torch.autograd.DeviceType.CUDA)
+    except AttributeError:
+        pass
     with tempfile.TemporaryDirectory() as folder:
         path = f"{folder}/trace.json"
         prof.export_chrome_trace(path)

@@ -25,8 +25,17 @@ from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, softcap_mode,
                       softcap_sink_args, value_args, values_aligned, wide_offsets)
 
-#: Launch settings of the prefill kernel (H100 defaults; benchmarks/bench_attention.py can try others).
+#: Launch settings of the prefill kernel (H100 / H200 defaults; benchmarks/bench_attention.py --tune tries others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+#: What differs for head dims of at most 64 (SmolLM2's): with half the dot's depth per score, a program of 4 warps
+#: over 64-key steps keeps the tensor cores and the softmax's exp2 units busier (128K, H200: 6.58 ms vs 8.23 ms
+#: with TUNING's settings; docs/kernels.md).
+TUNING_SMALL_HEAD = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
+def launch_settings(head_dim: int) -> dict[str, int]:
+    """The launch settings for queries / keys of ``head_dim`` (values: the larger of the two head dims)."""
+    return {**TUNING, **TUNING_SMALL_HEAD} if head_dim <= 64 else TUNING
 
 
 def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -34,7 +43,8 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
     (float32 operands and head dims past 128 need 2-4x the bytes per tile)."""
     configs = []
     if not (dot_fp32 or head_dim > 128):
-        configs.append((TUNING["block_m"], TUNING["block_n"], TUNING["num_stages"]))
+        tuned = launch_settings(head_dim)
+        configs.append((tuned["block_m"], tuned["block_n"], tuned["num_stages"]))
     configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
     return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
 
@@ -355,6 +365,7 @@ def sparse_prefill(
         LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
         ALIBI=alibi_slopes is not None, SOFTCAP=softcap_mode(softcap, query), HAS_SINKS=sinks is not None,
     )
+    warps = launch_settings(max(head_dim, head_dim_v))["num_warps"]
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
         heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
         queries_per_prog = max(1, min(next_power_of_2(query_tile), block_m // heads_per_prog))
@@ -374,7 +385,7 @@ def sparse_prefill(
                 num_slots,
                 PROGS_PER_KV=sel_heads * head_groups // kv_heads, HEAD_GROUPS=head_groups,
                 HEADS_PER_PROG=heads_per_prog, QUERIES_PER_PROG=queries_per_prog, SUBTILES=subtiles,
-                BLOCK_M=rows, BLOCK_N=block_n, num_warps=TUNING["num_warps"] if rows >= 128 else 4, num_stages=stages,
+                BLOCK_M=rows, BLOCK_N=block_n, num_warps=warps if rows >= 128 else 4, num_stages=stages,
                 V_BLOCK=value_block, V_ALIGNED=values_aligned(value_block, kv_start, block_n), **common,
             )
             break
