@@ -347,7 +347,7 @@ def decode_row(length: int, batch: int, grids: dict | None) -> dict:
         row["tune_attend"] = sweep("sparse_decode", grids["sparse_decode"], {
             "bf16 us": lambda: 1e3 * graph_ms(calls["attend"]), "int8 us": lambda: 1e3 * graph_ms(int8_calls["int8"]),
             "every block us": lambda: 1e3 * graph_ms(lambda: attend(query, key, value, every, kv_start, length - 1))},
-            saved_too=("TUNING_INT8",))
+            saved_too=("TUNING_INT8", "TUNING_SMALL_HEAD"))
     return row
 
 

@@ -102,19 +102,33 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
         )
 
 
-#: Keyword arguments that take a call off :func:`short_prefill`'s path when set (a feature to compute or refuse).
+#: Keyword arguments that take a call off :func:`known_dense_prefill`'s path when set (a feature to compute or refuse).
 _UNUSUAL_KWARGS = tuple(FEATURES) + ("output_attentions", "sliding_window")
 
 
-def short_prefill(config: Any, num_queries: int, key_length: int, query: torch.Tensor, cache_layer: Any,
-                  kwargs: dict[str, Any]) -> bool:
-    """Whether a call is a prefill shorter than the method's ``dense_below`` that needs nothing beyond sdpa's
-    dense attention (no logN, no int8 K/V to dequantise, none of :data:`_UNUSUAL_KWARGS`): the dense path exactly as
-    sdpa runs it, decided in a few host steps."""
-    return (key_length < config.dense_threshold("prefill") and call_phase(num_queries, key_length) == "prefill"
-            and not getattr(config, "logn_scaling", False) and query.dtype in SUPPORTED_DTYPES
-            and not getattr(cache_layer, "quantized", False)
-            and all(kwargs.get(name) is None for name in _UNUSUAL_KWARGS))
+def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_queries: int, key_length: int,
+                        query: torch.Tensor, cache_layer: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a call is a prefill that runs sdpa's dense attention whatever its keys hold, known from the shapes
+    and the configuration alone: shorter than ``dense_below``, a ``dense_layers`` layer, or (where the density
+    fallback applies) one whose sparsest possible selection already reaches the density threshold (the
+    method's ``density_floor``: PLAS at head dim 64 up to about 16K tokens; XAttention's scoring at head dim 64
+    up to about 32K). Such a call needs nothing beyond sdpa (no logN, no int8 K/V to dequantise, none of
+    :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of this size is bound by the host's
+    time per layer, and the decision is to cost next to nothing beside sdpa's own call."""
+    if (call_phase(num_queries, key_length) != "prefill" or getattr(config, "logn_scaling", False)
+            or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)
+            or any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS)):
+        return False
+    if key_length < config.dense_threshold("prefill"):
+        return True
+    layer_idx = getattr(module, "layer_idx", 0)
+    if config.is_dense_layer(layer_idx, getattr(module.config, "num_hidden_layers", layer_idx + 1)):
+        return True
+    if (config.dense_above_density is None or not getattr(module, "is_causal", True)
+            or not falls_back_by_density(query)):
+        return False
+    return density.floor_reaches_threshold(METHODS[method](config), config.dense_above_density, num_queries,
+                                           key_length, query.shape[-1])
 
 
 def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
@@ -204,9 +218,9 @@ def sparse_attention_forward(
     if getattr(cache_layer, "static", False) and cache_layer.row_layout is None:
         # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
         cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
-    if not recording() and short_prefill(config, num_queries, key_length, query, cache_layer, kwargs):
-        # The common short prompt, every layer dense: the fewest host steps (it is bound by the host's time per
-        # layer, and the dense decision is to cost next to nothing beside sdpa's own). Recording takes the path
+    if not recording() and known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer,
+                                               kwargs):
+        # The common prompt that runs dense in every layer, in the fewest host steps. Recording takes the path
         # below, which names each layer's reason.
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
@@ -285,7 +299,7 @@ def sparse_attention_forward(
         share = policy.selection_share(num_queries, head_dim)
         threshold = probe_threshold(config.dense_above_density, share)
         floor = policy.density_floor(num_queries, key_length)
-        if floor >= threshold:
+        if density.floor_reaches_threshold(policy, config.dense_above_density, num_queries, key_length, head_dim):
             return run_dense(lambda: f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_"
                              f"density {config.dense_above_density} less the selection, {share:.2f} of dense attention)")
         known = density.recall(module, config, key_length, num_queries) if config.density_memory else None

@@ -95,7 +95,10 @@ class SparseCacheLayer(CacheLayerMixin):
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.max_cache_len = _check_max_cache_len(max_cache_len)
-        self.device_length: torch.Tensor | None = None
+        self._device_length: torch.Tensor | None = None
+        # A host length that device_length is still to be set to (prefill writes defer that launch to its first
+        # reader: a short prefill is bound by the host's launches per layer).
+        self._pending_length: int | None = None
         self.version = 0
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype == "int8"
@@ -123,8 +126,27 @@ class SparseCacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         if self.static:
-            self.device_length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._device_length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.is_initialized = True
+
+    @property
+    def device_length(self) -> torch.Tensor | None:
+        """A static layer's valid-slot count as a one-element int64 device tensor (what CUDA-graph decode reads);
+        None for a dynamic layer. A length the host set (a prefill's write, a crop) is written into it here,
+        before it is read: never while a CUDA graph captures (the step before a capture reads it eagerly, and a
+        replay's caller calls :meth:`SparseCache.prepare_replay`)."""
+        self.write_pending_length()
+        return self._device_length
+
+    def write_pending_length(self) -> None:
+        """Write the length the host set into ``device_length`` (one launch; nothing when none is pending)."""
+        if self._pending_length is None:
+            return
+        if capturing(self._device_length.device):
+            raise RuntimeError("hf_sparse: a static cache layer's device length was set on the host and not yet "
+                               "written when a CUDA graph capture read it")
+        self._device_length.fill_(self._pending_length)
+        self._pending_length = None
 
     @property
     def static(self) -> bool:
@@ -183,7 +205,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._stale_views = False
-        self._keys = self.key_storage[:, :, : self.length]
+        self._keys = self.key_storage.narrow(2, 0, self.length)
         self._values = reference.leading_values(self.value_storage, self.length)
         if self.quantized:
             self.key_scales = self.key_scale_storage[:, :, : self.length]
@@ -214,12 +236,12 @@ class SparseCacheLayer(CacheLayerMixin):
             self.key_storage.index_copy_(2, positions, key_states)
             self.value_storage.index_copy_(2, positions, value_states)
         else:
-            self.key_storage[:, :, self.length : new_length] = key_states
-            self.value_storage[:, :, self.length : new_length] = value_states
+            self.key_storage.narrow(2, self.length, key_states.shape[2]).copy_(key_states)
+            self.value_storage.narrow(2, self.length, value_states.shape[2]).copy_(value_states)
         if on_device:
             self.device_length.add_(key_states.shape[2])
         elif self.static:
-            self.device_length.fill_(new_length)
+            self._pending_length = new_length
         self.length = new_length
         return self._views()
 
@@ -309,7 +331,7 @@ class SparseCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        # (device_length is set by the next update(), which a new sequence's first call makes outside a capture)
+        # (device_length is set from the next update(), which a new sequence's first call makes outside a capture)
         self.length = 0
         self.summarized_blocks = 0
         self._summary_source = None
@@ -324,8 +346,8 @@ class SparseCacheLayer(CacheLayerMixin):
         else:
             new_length = max(0, self.length + tokens_to_remove)
         self.length = new_length
-        if self.device_length is not None:
-            self.device_length.fill_(new_length)
+        if self._device_length is not None:
+            self._pending_length = new_length
         most_pad = self.row_layout.high if self.row_layout is not None else 0
         self.summarized_blocks = min(self.summarized_blocks, max(0, new_length - most_pad) // self.block_size)
         if new_length == 0:
@@ -407,13 +429,16 @@ class SparseCache(Cache):
         """Changes whenever a layer's storage or padding layout is replaced (what a captured graph points at)."""
         return tuple(getattr(layer, "version", 0) for layer in self.layers)
 
-    def summarize_for_decode(self) -> None:
-        """Before a replayed decode step: the layers whose static decode selects on block summaries summarise the
-        full blocks their sequence has and they lack (a dense prefill computes none). The eager decode path does
-        this itself (:meth:`SparseCacheLayer.summarize_full_blocks`); a CUDA graph kept from an earlier sequence
-        replays only the rewrite of the last block, so the first replay of each sequence needs this. No work, and
-        no launch, once done for a sequence."""
+    def prepare_replay(self) -> None:
+        """Before a replayed decode step: every static layer's device length holds its host length (a prefill
+        defers that write), and the layers whose static decode selects on block summaries summarise the full
+        blocks their sequence has and they lack (a dense prefill computes none). The eager decode path does both
+        itself (reading ``device_length``; :meth:`SparseCacheLayer.summarize_full_blocks`); a CUDA graph kept from
+        an earlier sequence replays only the rewrite of the last block, so the first replay of each sequence needs
+        this. No work, and no launch, once done for a sequence."""
         for layer in self.layers:
+            if isinstance(layer, SparseCacheLayer):
+                layer.write_pending_length()
             if getattr(layer, "decode_gate", None) is not None and layer._decode_summaries_due \
                     and layer.row_layout is not None:
                 layer.summarize_full_blocks(layer.decode_gate[0], 0)

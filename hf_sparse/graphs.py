@@ -251,7 +251,7 @@ class DecodeGraphs:
     def _replay(self, captured: _Captured, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
         for name, buffer in captured.inputs.items():
             buffer.copy_(kwargs[name])
-        cache.summarize_for_decode()  # a new sequence's full blocks, before a graph kept from an earlier one
+        cache.prepare_replay()  # a new sequence's full blocks, before a graph kept from an earlier one
         captured.graph.replay()
         cache.advance_host_length(kwargs["input_ids"].shape[1])
         self.stats.replays += 1

@@ -93,7 +93,8 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
             logger.info("hf_sparse: %s has sliding-window layers (dense inside their window, on the host's length): "
                         "generate() decodes without CUDA graphs", type(model).__name__)
         return None
-    if kernels.backend_for(torch.empty(0, device=device)) != "triton":
+    weight = next(model.parameters(), None)  # a tensor on the model's device (no allocation per call)
+    if weight is None or kernels.backend_for(weight) != "triton":
         return None
     return _static_cache_length(generation_config, args, kwargs)
 

@@ -344,6 +344,44 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         assert calls == [64, length, 64, length]
 
 
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_known_dense_prefill(method, monkeypatch):
+    """The prefills decided dense from shapes and configuration alone: below dense_below, a dense_layers layer,
+    or (where the density fallback applies) a floor at the threshold; never a decode call, logN, an int8 cache or
+    a model feature sdpa does not compute."""
+    import dataclasses
+    import types
+
+    import hf_sparse.attention as attention
+
+    config = tiny_config("llama", 4, 2)
+    model = build(config, method)
+    module = model.model.layers[0].self_attn
+    base = fallback_configs(method)[1]
+    base = dataclasses.replace(base, dense_below=100, dense_layers=(-1,))
+    query = torch.randn(1, 4, 200, 16)
+
+    def known(config_=base, num_queries=200, key_length=200, module_=module, cache_layer=None, **kwargs):
+        return attention.known_dense_prefill(config_, method, module_, num_queries, key_length, query[:, :, :num_queries],
+                                             cache_layer, kwargs)
+
+    assert known(num_queries=99, key_length=99)  # below dense_below
+    assert not known()  # on the CPU the density fallback does not apply
+    assert known(module_=model.model.layers[1].self_attn)  # the last layer: dense_layers
+    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
+    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.75)
+    assert known() and not known(dataclasses.replace(base, dense_above_density=None))
+    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.7)
+    assert not known()
+    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 1.0)
+    assert not known(num_queries=1, key_length=200)  # decode
+    assert not known(dataclasses.replace(base, logn_scaling=True))
+    assert not known(cache_layer=types.SimpleNamespace(quantized=True))
+    assert not known(softcap=30.0) and not known(sliding_window=64) and not known(output_attentions=True)
+    assert known(softcap=None)
+
+
 def test_density_floor_matches_the_sparsest_selection():
     """PLAS's density floor is the density of a selection where every query of a tile keeps the same top_k[0]
     blocks (within the causal ones): counted here by brute force over the tiles."""
@@ -388,6 +426,11 @@ def test_density_floor_and_memory(method, monkeypatch):
             assert torch.equal(sparse(ids).logits, dense(ids).logits)
         assert calls == [] and all(r.startswith("the sparsest selection keeps 0.900 >= ")
                                    for r in rec.dense_layers("prefill").values())
+        dense_calls = []
+        monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or
+                            hf_sparse.dense.dense_attention(*a, **k))
+        assert torch.equal(sparse(ids).logits, dense(ids).logits)  # unrecorded: known_dense_prefill's path
+        assert calls == [] and len(dense_calls) == 2
         monkeypatch.setattr(policy, "density_floor", lambda self, num_queries, key_length: 0.0)
         reads = []
         monkeypatch.setattr(attention, "selection_density", lambda *a: reads.append(1) or 0.1)

@@ -301,6 +301,32 @@ def test_static_cache_validation_and_growth():
     assert layer.length == 7 and int(layer.device_length) == 7
 
 
+def test_a_prefill_defers_the_device_length_to_its_first_reader(monkeypatch):
+    """A static layer's host-side write (a prefill, a crop) launches nothing for the device length: the value is
+    written when device_length is next read, or by SparseCache.prepare_replay before a kept graph replays; a
+    capture that would read a length still pending fails loudly instead of recording the fill."""
+    from hf_sparse import cache as cache_module
+
+    cache = SparseCache(tiny_config(layers=2), block_size=16, max_cache_len=40)
+    keys = torch.randn(1, 2, 30, 16)
+    for layer in cache.layers:
+        layer.update(keys, keys)
+    fills = []
+    monkeypatch.setattr(torch.Tensor, "fill_", lambda self, value: fills.append(value) or self.zero_().add_(value))
+    first, second = cache.layers
+    assert first._pending_length == 30 and int(first._device_length) == 0 and fills == []
+    assert int(first.device_length) == 30 and fills == [30] and first._pending_length is None
+    int(first.device_length)
+    assert fills == [30]  # written once
+    cache.prepare_replay()
+    assert fills == [30, 30] and int(second._device_length) == 30
+    second.crop(-4)
+    assert int(second._device_length) == 30 and second._pending_length == 26
+    monkeypatch.setattr(cache_module, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="not yet written when a CUDA graph capture read it"):
+        second.device_length
+
+
 def test_a_static_layer_writes_at_the_device_length_while_capturing(monkeypatch):
     """Outside a CUDA-graph capture a static layer writes at the host's length and sets the device's; while
     capturing it writes at (and advances) the device's, which a replay reads."""
@@ -322,7 +348,7 @@ def test_a_static_layer_writes_at_the_device_length_while_capturing(monkeypatch)
 
 def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
     """A kept CUDA graph replays only the rewrite of the last block: before its first replay for a new sequence
-    (after a dense prefill, which summarises nothing), SparseCache.summarize_for_decode summarises the new
+    (after a dense prefill, which summarises nothing), SparseCache.prepare_replay summarises the new
     sequence's full blocks with the gate the decode used, once."""
     cache = SparseCache(tiny_config(layers=2), block_size=16, max_cache_len=96)
     gen = torch.Generator().manual_seed(7)
@@ -339,13 +365,13 @@ def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
         layer.set_padding(RowLayout.uniform(1, "cpu"))
     layer = cache.layers[0]
     assert layer.summarized_blocks == 0 and layer.decode_gate[0] is gate
-    cache.summarize_for_decode()
+    cache.prepare_replay()
     expected = hf_sparse.kernels.block_summaries(second, gate, RowLayout.uniform(1, "cpu"), 16)
     torch.testing.assert_close(layer.summary_storage[:, :, :4], expected[:, :, :4])  # the 4 full blocks
     assert layer.summarized_blocks == 4 and not layer._decode_summaries_due
     assert cache.layers[1].decode_gate is None and cache.layers[1].summarized_blocks == 0
     stored = layer.summary_storage.clone()
-    cache.summarize_for_decode()  # done for this sequence: nothing recomputed
+    cache.prepare_replay()  # done for this sequence: nothing recomputed
     assert torch.equal(layer.summary_storage, stored)
 
 
@@ -644,7 +670,7 @@ def test_compiled_decode_step_equals_eager_decode(method):
 def test_kept_graphs_decode_a_new_prompt_as_fresh_graphs_do(method):
     """A second generate() with another prompt of the same length replays the graphs kept from the first (no
     capture) over a dense prefill (which summarises nothing): its sparse decode selects on the new prompt's
-    summaries (SparseCache.summarize_for_decode), so its tokens are those of graphs captured afresh for it."""
+    summaries (SparseCache.prepare_replay), so its tokens are those of graphs captured afresh for it."""
     model = build(tiny_config(q_heads=8, kv_heads=2, head_dim=64, layers=3), "plas").to("cuda")
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 128, (1, 300), generator=gen).cuda() for _ in range(2)]

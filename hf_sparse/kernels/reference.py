@@ -434,8 +434,8 @@ def leading_values(value: torch.Tensor, length: int) -> torch.Tensor:
     """A view of the values of the first ``length`` slots in their own layout: token-major ones cut to
     ``length`` slots, blocked ones (:func:`blocked_values`) to the blocks that hold them."""
     if value.dim() == 4:
-        return value[:, :, :length]
-    return value[:, :, :_ceil_div(length, value.shape[-1])]
+        return value.narrow(2, 0, length)
+    return value.narrow(2, 0, _ceil_div(length, value.shape[-1]))
 
 
 def _sparse_attention_rows(query, key, value, selection, *, kv_start, skip, out, lse, key_scale, value_scale,
