@@ -48,10 +48,20 @@ def _parse_config(serialized: str, method: str) -> Any:
 _LAST_PARSED: dict[int, tuple[dict, str, Any]] = {}
 
 
+def config_value(model_config: Any, name: str, default: Any = None) -> Any:
+    """``getattr(model_config, name, default)``, from the instance's own attributes when they hold it: past
+    transformers' config attribute lookup, which is slow, and attention calls ask on every layer."""
+    try:
+        found = object.__getattribute__(model_config, "__dict__").get(name)
+    except AttributeError:
+        found = None
+    return found if found is not None else getattr(model_config, name, default)
+
+
 def method_config(model_config: Any, method: str = "plas") -> Any:
     """The configuration of ``method`` stored in a model's config (its defaults when none, or another
     method's, is attached)."""
-    stored = getattr(model_config, CONFIG_KEY, None)
+    stored = config_value(model_config, CONFIG_KEY)
     if not stored or stored.get("method", "plas") != method:
         return _parse_config("{}", method)
     last = _LAST_PARSED.get(id(model_config))
@@ -103,7 +113,7 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
 
 
 #: Keyword arguments that take a call off :func:`known_dense_prefill`'s path when set (a feature to compute or refuse).
-_UNUSUAL_KWARGS = tuple(FEATURES) + ("output_attentions", "sliding_window")
+_UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
 
 
 def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_queries: int, key_length: int,
@@ -116,13 +126,15 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
     :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of this size is bound by the host's
     time per layer, and the decision is to cost next to nothing beside sdpa's own call."""
     if (call_phase(num_queries, key_length) != "prefill" or getattr(config, "logn_scaling", False)
-            or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)
-            or any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS)):
+            or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)):
+        return False
+    if not _UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS):
         return False
     if key_length < config.dense_threshold("prefill"):
         return True
     layer_idx = getattr(module, "layer_idx", 0)
-    if config.is_dense_layer(layer_idx, getattr(module.config, "num_hidden_layers", layer_idx + 1)):
+    if config.dense_layers and config.is_dense_layer(
+            layer_idx, config_value(module.config, "num_hidden_layers", layer_idx + 1)):
         return True
     if (config.dense_above_density is None or not getattr(module, "is_causal", True)
             or not falls_back_by_density(query)):

@@ -14,6 +14,10 @@ from . import kernels
 from .padding import mask_layout, padding_layout
 
 
+#: Keyword arguments dense_attention computes itself rather than pass to sdpa: softcap, sinks, sliding window.
+_NOT_FOR_SDPA = ("softcap", "s_aux", "sliding_window")
+
+
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Exactly what attn_implementation="sdpa" computes for the same inputs (same mask, same call); a
     ``sliding_window`` layer gets transformers' sliding-window causal mask over the keys it is given.
@@ -21,10 +25,9 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     A model that passes ``softcap`` (Gemma 2) or ``s_aux`` (GPT-OSS's sinks) gets :func:`eager_attention` with
     transformers' eager mask: sdpa cannot compute either (transformers' sdpa raises on ``softcap`` and ignores
     ``s_aux``), and those models run eager attention by default."""
-    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
+    softcap, sinks, window = (kwargs.pop(name, None) for name in _NOT_FOR_SDPA) if kwargs else (None, None, None)
     eager = softcap is not None or sinks is not None
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
-    window = kwargs.pop("sliding_window", None)
     if (not eager and window is None and (num_queries == 1 or num_queries == key_length)
             and not torch.compiler.is_compiling()):
         if attention_mask is not None and attention_mask.dim() == 2:
