@@ -4,9 +4,7 @@ Its parts live beside it: the padding layout (``padding.py``), the dense path (`
 (``density.py``), recording (``recording.py``); the methods select blocks (``methods/``), the kernels attend."""
 from __future__ import annotations
 
-import copy
 import functools
-import json
 import logging
 import math
 from typing import Any, Callable
@@ -15,7 +13,7 @@ import torch
 
 from . import kernels
 from .cache import LAYER_ATTR
-from .config import CONFIG_KEY, config_from_dict
+from .config import config_value, method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from . import density
 from .density import PROBE_QUERIES, block_counts, falls_back_by_density, probe_threshold, selection_density
@@ -37,40 +35,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def call_phase(num_queries: int, key_length: int) -> str:
     """``"decode"`` for a call of at most :data:`DECODE_MAX_QUERY` queries with a past, else ``"prefill"``."""
     return "decode" if num_queries <= DECODE_MAX_QUERY and key_length > num_queries else "prefill"
-
-@functools.lru_cache(maxsize=64)
-def _parse_config(serialized: str, method: str) -> Any:
-    return config_from_dict(json.loads(serialized), default_method=method)
-
-
-#: Last parse per model config: (its stored dict as parsed, method, config). Every attention call asks, so
-#: an unchanged dict is answered by one comparison, not a re-serialisation.
-_LAST_PARSED: dict[int, tuple[dict, str, Any]] = {}
-
-
-def config_value(model_config: Any, name: str, default: Any = None) -> Any:
-    """``getattr(model_config, name, default)``, from the instance's own attributes when they hold it: past
-    transformers' config attribute lookup, which is slow, and attention calls ask on every layer."""
-    try:
-        found = object.__getattribute__(model_config, "__dict__").get(name)
-    except AttributeError:
-        found = None
-    return found if found is not None else getattr(model_config, name, default)
-
-
-def method_config(model_config: Any, method: str = "plas") -> Any:
-    """The configuration of ``method`` stored in a model's config (its defaults when none, or another
-    method's, is attached)."""
-    stored = config_value(model_config, CONFIG_KEY)
-    if not stored or stored.get("method", "plas") != method:
-        return _parse_config("{}", method)
-    last = _LAST_PARSED.get(id(model_config))
-    if last is not None and last[1] == method and last[0] == stored:
-        return last[2]
-    config = _parse_config(json.dumps(stored, sort_keys=True), method)
-    _LAST_PARSED[id(model_config)] = (copy.deepcopy(stored), method, config)
-    return config
-
 
 def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, rows: RowLayout,
                block_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,7 @@ from transformers.generation import utils as _generation_utils
 
 from . import kernels
 from .kernels import reference
-from .config import KV_CACHE_DTYPES
+from .config import KV_CACHE_DTYPES, method_config
 from .selection import RowLayout
 
 #: The keyword models and ``generate()`` take a cache by: ``cache`` from transformers 5.24 on (``past_key_values``
@@ -488,20 +488,10 @@ class _LayerFactory:
 
 def block_size_for(config: Any) -> int:
     """The block size of the SparseCache a model with ``config`` gets (its method's kernel block size; 128)."""
-    from .config import CONFIG_KEY, config_from_dict
-
-    stored = getattr(config, CONFIG_KEY, None) if config is not None else None
-    if stored:
-        method_config = config_from_dict(stored)
-        return getattr(method_config, "kernel_block_size", method_config.block_size)
-    return 128
+    stored = method_config(config, None)
+    return getattr(stored, "kernel_block_size", stored.block_size)
 
 
 def kv_dtype_for(config: Any) -> str:
     """The K/V storage dtype of the SparseCache a model with ``config`` gets (its method's ``kv_cache_dtype``)."""
-    from .config import CONFIG_KEY, config_from_dict
-
-    stored = getattr(config, CONFIG_KEY, None) if config is not None else None
-    if stored:
-        return getattr(config_from_dict(stored), "kv_cache_dtype", "auto")
-    return "auto"
+    return getattr(method_config(config, None), "kv_cache_dtype", "auto")

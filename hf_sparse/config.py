@@ -1,7 +1,10 @@
 """Configuration dataclasses, one per method, validated on creation and stored as plain dicts in ``model.config``."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -462,3 +465,42 @@ def config_from_dict(data: Mapping[str, Any], default_method: str = "plas") -> A
     if method not in CONFIG_CLASSES:
         raise ValueError(f"unknown hf_sparse method {method!r} in the model configuration; known: {sorted(CONFIG_CLASSES)}")
     return CONFIG_CLASSES[method].from_dict(data)
+
+
+# -- the configuration a model holds ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_config(serialized: str, method: str) -> Any:
+    return config_from_dict(json.loads(serialized), default_method=method)
+
+
+#: Last parse per model config: (its stored dict as parsed, method, config). Every attention call asks, so
+#: an unchanged dict is answered by one comparison, not a re-serialisation.
+_LAST_PARSED: dict[int, tuple[dict, str, Any]] = {}
+
+
+def config_value(model_config: Any, name: str, default: Any = None) -> Any:
+    """``getattr(model_config, name, default)``, from the instance's own attributes when they hold it: past
+    transformers' config attribute lookup, which is slow, and attention calls ask on every layer."""
+    try:
+        found = object.__getattribute__(model_config, "__dict__").get(name)
+    except AttributeError:
+        found = None
+    return found if found is not None else getattr(model_config, name, default)
+
+
+def method_config(model_config: Any, method: str | None = "plas") -> Any:
+    """The configuration of ``method`` stored in a model's config (its defaults when none, or another
+    method's, is attached); ``method=None``: whichever method's is stored (PLAS's defaults when none is)."""
+    stored = config_value(model_config, CONFIG_KEY) if model_config is not None else None
+    if method is None:
+        method = stored.get("method", "plas") if stored else "plas"
+    if not stored or stored.get("method", "plas") != method:
+        return _parse_config("{}", method)
+    last = _LAST_PARSED.get(id(model_config))
+    if last is not None and last[1] == method and last[0] == stored:
+        return last[2]
+    config = _parse_config(json.dumps(stored, sort_keys=True), method)
+    _LAST_PARSED[id(model_config)] = (copy.deepcopy(stored), method, config)
+    return config

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,20 +121,26 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, stats: GraphStats) -> None:
         self._model = weakref.ref(model)
+        self._method: tuple[str, Any] | None = None  # (implementation, its config) of the generate() call
         self.forward: Any = None
         self.previous: Any = None  # the instance attribute `forward` replaced (e.g. accelerate's hook), if any
         self.stats = stats
         self._forget()
 
     def attach(self, forward: Any, previous: Any) -> None:
-        """Wrap ``forward`` (the model's own) for one generate() call."""
+        """Wrap ``forward`` (the model's own) for one generate() call, whose method and configuration it reads
+        once here (every decode step asks; a model's config lookups cost microseconds each)."""
         self.forward, self.previous = forward, previous
         self.__wrapped__ = forward  # inspect.signature(model.forward) still sees the model's arguments
         self.__doc__ = getattr(forward, "__doc__", None)
+        model = self._model()
+        implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
+        graphed = implementation in GRAPH_METHODS and not window_layers(model.config)
+        self._method = (implementation, method_config(model.config, implementation)) if graphed else None
 
     def detach(self) -> None:
         """Let go of the model's ``forward`` (kept graphs stay)."""
-        self.forward = self.previous = self.__wrapped__ = None
+        self.forward = self.previous = self.__wrapped__ = self._method = None
 
     def _forget(self) -> None:
         self._cache: weakref.ref | None = None
@@ -179,12 +185,10 @@ class DecodeGraphs:
             return None
         if not input_ids.is_cuda or input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= DECODE_MAX_QUERY:
             return None
-        model = self._model()
-        implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
-        if implementation not in GRAPH_METHODS:
+        if self._method is None:  # not a graph method, or sliding-window layers
             return None
-        config = method_config(model.config, implementation)
-        if not config.decode_cuda_graph or not cache.layers or window_layers(model.config):
+        implementation, config = self._method
+        if not config.decode_cuda_graph or not cache.layers:
             return None
         steps = input_ids.shape[1]
         for layer in cache.layers:
