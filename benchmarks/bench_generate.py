@@ -204,7 +204,7 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     for ax, key, baseline, label in panels:
         for method, color in colors.items():
             points = [(row["length"], row[key]) for row in rows if row["method"] == method and row.get(key)]
-            if method != baseline and points:
+            if not method.startswith("sdpa") and points:  # sparse methods against the panel's dense baseline
                 ax.plot(*zip(*points), marker="o", label=method, color=color)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label=f"dense ({baseline}) = 1")
         ax.set_xscale("log", base=2)
@@ -217,16 +217,38 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     save_figure(figure, path, title, dpi=150)
 
 
+#: The fields of a row that its TTFT measurement sets (see replot).
+TTFT_FIELDS = ("ttft_s", "ttft_rounds_s")
+
+
 def replot(args: argparse.Namespace) -> None:
-    """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together."""
+    """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together. A (length,
+    method) row in several files is merged: its TTFT from the last file that has it (e.g. a run of more
+    interleaved rounds after a full run), every other field from the first; ratios are recomputed per length, a
+    TTFT ratio only between rows whose TTFT comes from the same file."""
     import json
 
     runs = [json.load(open(path)) for path in args.replot]
-    rows = [row for run in runs for row in run["rows"]]
-    for row in rows:  # JSON keys are strings
-        for key in ("tpot_ms", "captures_per_call", "replays_per_call"):
-            row[key] = {int(n): value for n, value in row.get(key, {}).items()}
+    merged: dict[tuple, dict] = {}
+    ttft_source: dict[tuple, int] = {}  # the file each row's TTFT comes from
+    for index, run in enumerate(runs):
+        for row in run["rows"]:
+            for key in ("tpot_ms", "captures_per_call", "replays_per_call"):  # JSON keys are strings
+                row[key] = {int(n): value for n, value in row.get(key, {}).items()}
+            kept = merged.setdefault((row["length"], row["method"]), {})
+            for key, value in row.items():
+                if value not in (None, {}, []) and (key in TTFT_FIELDS or key not in kept):
+                    kept[key] = value
+            ttft_source[(row["length"], row["method"])] = index
+            for key in ("tpot_ms", "captures_per_call", "replays_per_call", "tokens"):
+                kept.setdefault(key, {} if key != "tokens" else [])
+    rows = sorted(merged.values(), key=lambda row: row["length"])
     tpot_tokens = max((sorted(row["tpot_ms"]) for row in rows), key=len)
+    for length in dict.fromkeys(row["length"] for row in rows):
+        add_ratios([row for row in rows if row["length"] == length], tpot_tokens)
+    for row in rows:  # a TTFT ratio holds only between the calls of one run
+        if ttft_source[(row["length"], row["method"])] != ttft_source.get((row["length"], "sdpa")):
+            row["ttft_vs_sdpa"] = None
     first = runs[0]
     print_table(rows, tpot_tokens, first["environment"], first["model"], first["arguments"]["repeats"])
     if args.plot:
