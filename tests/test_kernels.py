@@ -558,6 +558,21 @@ def test_softcap_and_sinks_errors():
                 op(query, key, value, selection, sinks=sinks, **args)
 
 
+def test_compiled_attention_refuses_blocks_under_16(monkeypatch):
+    """Compiled Triton dots need tiles of 16 keys: a selection of smaller blocks gets an error that says so (the
+    interpreter, which the small tests use, takes any block)."""
+    from hf_sparse.kernels import _common
+
+    query, key, value = (torch.randn(*shape, device=DEVICE) for shape in ((1, 4, 1, 16), (1, 2, 40, 16), (1, 2, 40, 16)))
+    selection = BlockSelection(torch.zeros(1, 2, 1, 3, dtype=torch.int32, device=DEVICE),
+                               torch.ones(1, 2, 1, dtype=torch.int32, device=DEVICE), 4, 1)
+    args = dict(scale=0.25, q_offset=39, kv_start=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    for op in (OPS["sparse_decode"].sparse_decode, OPS["sparse_prefill"].sparse_prefill):
+        with pytest.raises(ValueError, match="blocks of at least 16 tokens.*block_size 4"):
+            op(query, key, value, selection, **args)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("op, num_queries", [("sparse_prefill", None), ("sparse_decode", 1), ("sparse_decode", 3)])
 @pytest.mark.parametrize("padding", ["none", "shared", "rows"])

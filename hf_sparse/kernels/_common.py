@@ -270,6 +270,9 @@ def attention_outputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Validate a sparse-attention call and prepare what every attention launcher passes on: ``(out, lse,
     inv_log_base, skip_flags, key_scale, value_scale, slopes)`` with ``out`` / ``lse`` allocated when not given."""
     check_attention_inputs(query, key, value, selection, kv_start, key_scale, value_scale)
+    if selection.block_size < 16 and not interpreting():
+        raise ValueError(f"the Triton attention kernels take blocks of at least 16 tokens (their dots' narrowest "
+                         f"tile); got block_size {selection.block_size} (the method configs require >= 16)")
     inv_log_base, skip_flags = feature_args(logn_base, skip, query)
     key_scale, value_scale = scale_args(key_scale, value_scale, key)
     slopes = alibi_args(alibi_slopes, query)
