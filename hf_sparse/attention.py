@@ -16,7 +16,7 @@ from .cache import LAYER_ATTR
 from .config import config_value, method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from . import density
-from .density import PROBE_QUERIES, block_counts, falls_back_by_density, probe_threshold, selection_density
+from .density import PROBE_QUERIES, block_counts, falls_back_by_density, selection_density
 from .gates import get_gate_weight
 from .methods import METHODS
 from .padding import padding_layout
@@ -103,8 +103,9 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
     if (config.dense_above_density is None or not getattr(module, "is_causal", True)
             or not falls_back_by_density(query)):
         return False
-    return density.floor_reaches_threshold(METHODS[method](config), config.dense_above_density, num_queries,
-                                           key_length, query.shape[-1])
+    floor, threshold, _ = density.floor_and_threshold(METHODS[method](config), config.dense_above_density,
+                                                      num_queries, key_length, query.shape[-1])
+    return floor >= threshold
 
 
 def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
@@ -272,10 +273,9 @@ def sparse_attention_forward(
                                softcap=extras.get("softcap"))
     falls_back = phase == "prefill" and config.dense_above_density is not None and falls_back_by_density(query)
     if falls_back:
-        share = policy.selection_share(num_queries, head_dim)
-        threshold = probe_threshold(config.dense_above_density, share)
-        floor = policy.density_floor(num_queries, key_length)
-        if density.floor_reaches_threshold(policy, config.dense_above_density, num_queries, key_length, head_dim):
+        floor, threshold, share = density.floor_and_threshold(policy, config.dense_above_density, num_queries,
+                                                              key_length, head_dim)
+        if floor >= threshold:
             return run_dense(lambda: f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_"
                              f"density {config.dense_above_density} less the selection, {share:.2f} of dense attention)")
         known = density.recall(module, config, key_length, num_queries) if config.density_memory else None

@@ -26,12 +26,13 @@ def probe_threshold(dense_above_density: float, selection_share: float) -> float
     return dense_above_density * max(0.0, 1.0 - selection_share)
 
 
-def floor_reaches_threshold(policy: object, dense_above_density: float, num_queries: int, key_length: int,
-                            head_dim: int) -> bool:
-    """Whether even the sparsest selection ``policy`` could make here (its ``density_floor``) reaches the probe
-    threshold: then the call runs dense with no selection and no host read."""
-    threshold = probe_threshold(dense_above_density, policy.selection_share(num_queries, head_dim))
-    return policy.density_floor(num_queries, key_length) >= threshold
+def floor_and_threshold(policy: object, dense_above_density: float, num_queries: int, key_length: int,
+                        head_dim: int) -> tuple[float, float, float]:
+    """``(floor, threshold, share)``: the least density ``policy`` could select here (its ``density_floor``), the
+    probe threshold, and the selection's share of dense time behind it. A floor at the threshold runs the call
+    dense with no selection and no host read."""
+    share = policy.selection_share(num_queries, head_dim)
+    return policy.density_floor(num_queries, key_length), probe_threshold(dense_above_density, share), share
 
 
 def falls_back_by_density(query: torch.Tensor) -> bool:
