@@ -228,19 +228,28 @@ class SparseCacheLayer(CacheLayerMixin):
         # the host's, which equals it then, and sets the device's (fewer launches: a short prefill is host-bound).
         on_device = self.static and capturing(self.device)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
-            start = self.device_length if on_device else self.length
             kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
-                                    self.key_scale_storage, self.value_scale_storage, start)
-        elif on_device:
-            positions = self.device_length + torch.arange(key_states.shape[2], device=self.device_length.device)
-            self.key_storage.index_copy_(2, positions, key_states)
-            self.value_storage.index_copy_(2, positions, value_states)
+                                    self.key_scale_storage, self.value_scale_storage,
+                                    self.device_length if on_device else self.length)
+            if on_device:
+                self.device_length.add_(key_states.shape[2])
+        elif on_device:  # written at the device's length, which it advances (one launch on Triton)
+            kernels.append_kv(key_states, value_states, self.key_storage, self.value_storage, self.device_length)
+        elif self.length == 0:  # a sequence's first states: the written slots are the views update() returns
+            self.length = new_length
+            if self.static:
+                self._pending_length = new_length
+            self._stale_views = False
+            self._keys = self.key_storage.narrow(2, 0, new_length)
+            self._values = self.value_storage.narrow(2, 0, new_length)
+            self._keys.copy_(key_states)
+            self._values.copy_(value_states)
+            setattr(self._keys, LAYER_ATTR, self)
+            return self._keys, self._values
         else:
             self.key_storage.narrow(2, self.length, key_states.shape[2]).copy_(key_states)
             self.value_storage.narrow(2, self.length, value_states.shape[2]).copy_(value_states)
-        if on_device:
-            self.device_length.add_(key_states.shape[2])
-        elif self.static:
+        if self.static and not on_device:
             self._pending_length = new_length
         self.length = new_length
         return self._views()

@@ -11,10 +11,12 @@ from conftest import build, tiny_config
 
 
 def test_defaults_match_fastdeploy():
+    """FastDeploy's block size, top-k ranges, union and prefill threshold; decode runs dense below four times
+    FastDeploy's threshold (where a GQA group's united selections keep most blocks)."""
     config = PLASConfig()
     assert config.block_size == 128 and config.prefill_top_k == (50, 60) and config.decode_top_k == (100, 120)
     assert config.query_union == 128 and config.dense_layers == (-1,)
-    assert config.dense_threshold("prefill") == 50 * 128 and config.dense_threshold("decode") == 100 * 128
+    assert config.dense_threshold("prefill") == 50 * 128 and config.dense_threshold("decode") == 4 * 100 * 128
     assert PLASConfig(dense_below=0).dense_threshold("decode") == 0
     assert PLASConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
 

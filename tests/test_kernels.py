@@ -32,7 +32,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 # The op modules (`hf_sparse.kernels.<op>` as an attribute is the dispatching function of the same name).
 OPS = {name: importlib.import_module(f"hf_sparse.kernels.{name}")
        for name in ("block_summaries", "merge_lse", "select_blocks", "sparse_prefill", "sparse_decode",
-                    "quantize_append")}
+                    "quantize_append", "append_kv")}
 
 # (size id, device, marks): "small" runs everywhere (interpreter on CPU), "large" only with `-m gpu` on CUDA.
 SIZES = [
@@ -672,6 +672,54 @@ def test_quantize_append(size, dtype_name, dims_kv, layout, tokens, device_start
     untouched[start:start + tokens] = False
     assert (keys[:, :, untouched] == 99).all() and (ref.token_values(values, slots)[:, :, untouched] == 99).all()
     assert torch.isnan(key_scales[:, :, untouched]).all() and torch.isnan(value_scales[:, :, untouched]).all()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 3, 1, 64, 64), (3, 2, 5, 128, 80), (2, 8, 16, 48, 48), (1, 1, 37, 64, 64)])
+def test_append_kv(size, dtype_name, shape):
+    """States written at the device-side length (one tensor, advanced by the op), equal to the reference; every
+    other slot of the poisoned storage keeps its contents. Shapes: decode (one token), odd head dims, K and V of
+    different widths, more rows than one tile (37 tokens x 1 head at 64 columns: one tile; 8 heads x 16 tokens x 2:
+    two tiles)."""
+    dtype = DTYPES[dtype_name]
+    batch, heads, tokens, dim, dim_v = shape
+    gen = torch.Generator().manual_seed(seed("append_kv", size, dtype_name, shape))
+    slots = 96 if size == "small" else 40000
+    start = slots - tokens - 3
+    key_states = bnsd(batch, heads, tokens, dim, dtype, "bsnd", gen)  # a transposed view, as models pass
+    value_states = bnsd(batch, heads, tokens, dim_v, dtype, "bnsd", gen)
+    results = []
+    for op in (ref.append_kv, OPS["append_kv"].append_kv):
+        keys = torch.full((batch, heads, slots, dim), 7.0, dtype=dtype, device=DEVICE)
+        values = torch.full((batch, heads, slots, dim_v), 7.0, dtype=dtype, device=DEVICE)
+        length = torch.tensor([start], device=DEVICE)
+        op(key_states, value_states, keys, values, length)
+        results.append((keys, values, length))
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    keys, values, length = results[1]
+    assert length.item() == start + tokens
+    torch.testing.assert_close(keys[:, :, start:start + tokens], key_states, rtol=0, atol=0)
+    torch.testing.assert_close(values[:, :, start:start + tokens], value_states, rtol=0, atol=0)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[start:start + tokens] = False
+    assert (keys[:, :, untouched] == 7).all() and (values[:, :, untouched] == 7).all()
+
+
+def test_append_kv_errors():
+    """Storage that does not match the states, or a length that is not one device integer, get a clear error."""
+    states = torch.randn(1, 2, 4, 16)
+    keys, values = torch.zeros(1, 2, 32, 16), torch.zeros(1, 2, 32, 16)
+    length = torch.tensor([3])
+    with pytest.raises(ValueError, match="token-major storage"):
+        kernels.append_kv(states, states, keys[:, :1], values, length)
+    with pytest.raises(TypeError, match="storage dtypes"):
+        kernels.append_kv(states, states, keys.half(), values, length)
+    with pytest.raises(ValueError, match="one-element integer"):
+        kernels.append_kv(states, states, keys, values, torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="one-element integer"):
+        kernels.append_kv(states, states, keys, values, 3)
 
 
 def test_quantize_append_errors():

@@ -12,10 +12,10 @@ import torch
 
 from ..selection import row_starts
 from . import reference
-from ._common import check_append_inputs
+from ._common import check_append_inputs, check_append_kv_inputs
 
 __all__ = [
-    "antidiagonal_block_scores", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
+    "antidiagonal_block_scores", "append_kv", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
     "pooled_block_logits", "quantize_append", "recent_block_summaries", "reference", "select_blocks",
     "sparse_attention",
 ]
@@ -28,6 +28,7 @@ if _TRITON_AVAILABLE:
     # (TRITON_INTERPRET=1), as it does for its own library. Without triton, or with a broken one, the PyTorch
     # reference serves every op.
     try:
+        from . import append_kv as _append_kv_op
         from . import block_logits as _block_logits_op
         from . import block_summaries as _summaries_op
         from . import merge_lse as _merge_op
@@ -39,7 +40,7 @@ if _TRITON_AVAILABLE:
         from . import xattn_scores as _xattn_op
 
         _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op,
-                       _append_op, _block_logits_op)
+                       _append_op, _block_logits_op, _append_kv_op)
     except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
@@ -171,6 +172,16 @@ def cumulative_threshold_select(mass, available, forced, threshold):
     if backend_for(mass) == "triton" and mass.shape[-1] <= _TRITON_OPS[6].MAX_BLOCKS:
         return _TRITON_OPS[6].cumulative_threshold_select(mass, available, forced, threshold)
     return reference.cumulative_threshold_select(mass, available, forced, threshold)
+
+
+def append_kv(key_states, value_states, key_storage, value_storage, length):
+    """See :func:`reference.append_kv` (a static cache's writes at its device-side length; one launch on
+    Triton, five PyTorch ops on the reference)."""
+    args = (key_states, value_states, key_storage, value_storage, length)
+    check_append_kv_inputs(*args)
+    if backend_for(key_states) == "triton":
+        return _TRITON_OPS[9].append_kv(*args)
+    return reference.append_kv(*args)
 
 
 def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):

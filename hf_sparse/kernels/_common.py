@@ -83,6 +83,28 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError("query, key, value and selection must be on one device")
 
 
+def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+                           value_storage: torch.Tensor, length: torch.Tensor) -> None:
+    """Raise a clear error for an ``append_kv`` call the ops do not take (the device-side ``length`` is not
+    range-checked: that would read it back to the host)."""
+    if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+        raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(key_states.shape)} "
+                         f"and {tuple(value_states.shape)}")
+    batch, heads = key_states.shape[:2]
+    slots = key_storage.shape[2] if key_storage.dim() == 4 else -1
+    expected = ((batch, heads, slots, key_states.shape[3]), (batch, heads, slots, value_states.shape[3]))
+    if (tuple(key_storage.shape), tuple(value_storage.shape)) != expected:
+        raise ValueError(f"token-major storage must be keys {expected[0]} and values {expected[1]}, got "
+                         f"{tuple(key_storage.shape)} and {tuple(value_storage.shape)}")
+    if key_storage.dtype != key_states.dtype or value_storage.dtype != value_states.dtype:
+        raise TypeError(f"storage dtypes {key_storage.dtype} / {value_storage.dtype} differ from the states' "
+                        f"{key_states.dtype} / {value_states.dtype}")
+    if not isinstance(length, torch.Tensor) or length.numel() != 1 or length.is_floating_point():
+        raise ValueError(f"length must be a one-element integer tensor, got {length!r}")
+    if not (key_states.device == value_states.device == key_storage.device == value_storage.device == length.device):
+        raise ValueError("states, storage and length must be on one device")
+
+
 def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                         value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
                         start: int | torch.Tensor) -> None:

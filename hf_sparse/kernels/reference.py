@@ -383,6 +383,18 @@ def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.
     return quantized.float() * scale.float()[..., None]
 
 
+def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+              value_storage: torch.Tensor, length: torch.Tensor) -> None:
+    """Write ``[B, H, n, D]`` key and value states at slots ``length + [0, n)`` of token-major storage
+    (``[B, H, S, D]`` / ``[B, H, S, Dv]``) and advance ``length`` (a one-element integer tensor on the states'
+    device: a static cache's valid-slot count) by ``n``; nothing is read back to the host."""
+    tokens = key_states.shape[2]
+    positions = length.reshape(1).long() + torch.arange(tokens, device=length.device)
+    key_storage.index_copy_(2, positions, key_states)
+    value_storage.index_copy_(2, positions, value_states)
+    length.add_(tokens)
+
+
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                     value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
                     start: int | torch.Tensor) -> None:

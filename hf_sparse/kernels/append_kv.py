@@ -1,0 +1,73 @@
+"""Static cache append at a device-side length: new key and value states written at slots ``length + [0, n)``
+and ``length`` advanced by ``n``, in one launch.
+
+Semantics: :func:`hf_sparse.kernels.reference.append_kv`. A CUDA-graph decode step writes each layer's new states
+at the cache's valid-slot count, which lives on the device; in PyTorch ops that is five launches per layer (the
+positions' ``arange`` and add, two ``index_copy_``, the count's ``add_``), a tenth of a small model's decode step.
+Here one program reads the count, copies every (batch, head, token) row of both states in tiles of ``ROWS`` rows,
+and, after a barrier (every thread has read the count), stores the advanced count: no other program can read a
+half-advanced count, because there is no other program.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_power_of_2
+
+
+@triton.jit
+def _append_kv_kernel(
+    KEYS, VALUES, K_OUT, V_OUT, LENGTH,
+    stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_yb, stride_yh, stride_ys, stride_yd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    rows, tokens,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, ROWS: tl.constexpr,
+):
+    start = tl.load(LENGTH)
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    for first in range(0, rows, ROWS):
+        row = first + offs_r  # row = (b * HEADS + h) * tokens + token
+        ok = row < rows
+        token = (row % tokens).to(tl.int64)
+        b = (row // tokens // HEADS).to(tl.int64)
+        h = (row // tokens % HEADS).to(tl.int64)
+        slot = start + token
+        k_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(KEYS + (b * stride_xb + h * stride_xh + token * stride_xs)[:, None] + offs_d[None, :] * stride_xd,
+                    mask=k_ok)
+        tl.store(K_OUT + (b * stride_kb + h * stride_kh + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd,
+                 k, mask=k_ok)
+        v_ok = ok[:, None] & dv_ok[None, :]
+        v = tl.load(VALUES + (b * stride_yb + h * stride_yh + token * stride_ys)[:, None]
+                    + offs_dv[None, :] * stride_yd, mask=v_ok)
+        tl.store(V_OUT + (b * stride_vb + h * stride_vh + slot * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
+                 v, mask=v_ok)
+    tl.debug_barrier()  # every thread has read the count before any stores the new one
+    tl.store(LENGTH, start + tokens)
+
+
+def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+              value_storage: torch.Tensor, length: torch.Tensor) -> None:
+    """Triton version of :func:`hf_sparse.kernels.reference.append_kv` (same arguments, same result)."""
+    batch, heads, tokens, head_dim = key_states.shape
+    head_dim_v = value_states.shape[-1]
+    rows = batch * heads * tokens
+    if rows == 0:
+        return
+    d_pad, dv_pad = max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(head_dim_v))
+    _append_kv_kernel[(1,)](
+        key_states, value_states, key_storage, value_storage, length,
+        *key_states.stride(), *value_states.stride(), *key_storage.stride(), *value_storage.stride(),
+        rows, tokens,
+        HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=d_pad, DV_PAD=dv_pad,
+        ROWS=max(1, min(next_power_of_2(rows), 8192 // max(d_pad, dv_pad))), num_warps=4,
+    )
