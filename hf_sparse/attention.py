@@ -140,20 +140,22 @@ _ALL_BLOCKS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] =
 
 
 def all_blocks_selection(cache_layer: Any, kv_heads: int, num_queries: int) -> BlockSelection:
-    """Every block of a static layer's storage, as one selection row per KV head: the decode kernel reads a row
-    only up to its last valid block (counted from the device length), so the selection is a constant (dense
-    decode with the sparse kernel, CUDA-graph safe, no launch to count the blocks)."""
+    """Every valid block of each row of a static layer, counted on the device (dense decode with the sparse
+    kernel, CUDA-graph safe): in a captured step the layer's append wrote the counts (no launch here), else
+    they are computed from its device length."""
+    block_size = cache_layer.block_size
     num_blocks = cache_layer.summary_storage.shape[2]
-    device = cache_layer.key_storage.device
-    constant = _ALL_BLOCKS.get((device, num_blocks))
-    if constant is None:
-        constant = _ALL_BLOCKS[(device, num_blocks)] = (
-            torch.arange(num_blocks, dtype=torch.int32, device=device),
-            torch.full((1, 1, 1), num_blocks, dtype=torch.int32, device=device))
-    ids, count = constant
-    batch = cache_layer.key_storage.shape[0]
-    return BlockSelection(indices=ids.expand(batch, kv_heads, 1, num_blocks), counts=count.expand(batch, kv_heads, 1),
-                          block_size=cache_layer.block_size, query_tile=num_queries)
+    device = cache_layer.device_length.device
+    ids = _ALL_BLOCKS.get((device, num_blocks))
+    if ids is None:
+        ids = _ALL_BLOCKS[(device, num_blocks)] = torch.arange(num_blocks, dtype=torch.int32, device=device)
+    starts = cache_layer.row_layout.starts
+    counts = cache_layer.valid_blocks
+    if counts is None:
+        counts = kernels.reference.valid_blocks(cache_layer.device_length, starts, block_size).to(torch.int32)
+    return BlockSelection(indices=ids.expand(starts.shape[0], kv_heads, 1, num_blocks),
+                          counts=counts[:, None, None].expand(starts.shape[0], kv_heads, 1),
+                          block_size=block_size, query_tile=num_queries)
 
 
 def all_blocks_decode(query: torch.Tensor, cache_layer: Any, scale: float, logn_base: int | None,

@@ -99,6 +99,10 @@ class SparseCacheLayer(CacheLayerMixin):
         # A host length that device_length is still to be set to (prefill writes defer that launch to its first
         # reader: a short prefill is bound by the host's launches per layer).
         self._pending_length: int | None = None
+        # Each row's count of valid key blocks as the last device-side append (a CUDA-graph decode step) wrote it,
+        # for an all-blocks decode of the same step (attention.all_blocks_selection); None after any other write.
+        self.valid_blocks: torch.Tensor | None = None
+        self._valid_blocks_storage: torch.Tensor | None = None
         self.version = 0
         self.kv_dtype = kv_dtype
         self.quantized = kv_dtype == "int8"
@@ -233,10 +237,18 @@ class SparseCacheLayer(CacheLayerMixin):
                                     self.device_length if on_device else self.length)
             if on_device:
                 self.device_length.add_(key_states.shape[2])
-        elif on_device:  # written at the device's length, which it advances (one launch on Triton)
-            kernels.append_kv(key_states, value_states, self.key_storage, self.value_storage, self.device_length)
+        elif on_device:  # written at the device's length, which it advances, with the rows' block counts (one launch)
+            starts = self.row_layout.starts if self.row_layout is not None else None
+            if starts is not None and (self._valid_blocks_storage is None
+                                       or self._valid_blocks_storage.shape[0] != starts.shape[0]):
+                self._valid_blocks_storage = torch.zeros(starts.shape[0], dtype=torch.int32, device=self.device)
+            counts = self._valid_blocks_storage if starts is not None else None
+            kernels.append_kv(key_states, value_states, self.key_storage, self.value_storage, self.device_length,
+                              starts, counts, self.block_size)
+            self.valid_blocks = counts
         elif self.length == 0:  # a sequence's first states: the written slots are the views update() returns
             self.length = new_length
+            self.valid_blocks = None
             if self.static:
                 self._pending_length = new_length
             self._stale_views = False
@@ -251,6 +263,8 @@ class SparseCacheLayer(CacheLayerMixin):
             self.value_storage.narrow(2, self.length, value_states.shape[2]).copy_(value_states)
         if self.static and not on_device:
             self._pending_length = new_length
+        if not on_device or self.quantized:
+            self.valid_blocks = None
         self.length = new_length
         return self._views()
 

@@ -678,8 +678,8 @@ def test_quantize_append(size, dtype_name, dims_kv, layout, tokens, device_start
 @pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 3, 1, 64, 64), (3, 2, 5, 128, 80), (2, 8, 16, 48, 48), (1, 1, 37, 64, 64)])
 def test_append_kv(size, dtype_name, shape):
-    """States written at the device-side length (one tensor, advanced by the op), equal to the reference; every
-    other slot of the poisoned storage keeps its contents. Shapes: decode (one token), odd head dims, K and V of
+    """States written at the device-side length (one tensor, advanced by the op) and each row's valid block count
+    from the new length, equal to the reference; every other slot of the poisoned storage keeps its contents. Shapes: decode (one token), odd head dims, K and V of
     different widths, more rows than one tile (37 tokens x 1 head at 64 columns: one tile; 8 heads x 16 tokens x 2:
     two tiles)."""
     dtype = DTYPES[dtype_name]
@@ -689,17 +689,21 @@ def test_append_kv(size, dtype_name, shape):
     start = slots - tokens - 3
     key_states = bnsd(batch, heads, tokens, dim, dtype, "bsnd", gen)  # a transposed view, as models pass
     value_states = bnsd(batch, heads, tokens, dim_v, dtype, "bnsd", gen)
+    starts = torch.tensor([0, 5, slots - 2][:batch], device=DEVICE)  # the last: padding past the new length
+    block = 16
     results = []
     for op in (ref.append_kv, OPS["append_kv"].append_kv):
         keys = torch.full((batch, heads, slots, dim), 7.0, dtype=dtype, device=DEVICE)
         values = torch.full((batch, heads, slots, dim_v), 7.0, dtype=dtype, device=DEVICE)
         length = torch.tensor([start], device=DEVICE)
-        op(key_states, value_states, keys, values, length)
-        results.append((keys, values, length))
+        counts = torch.full((batch,), -1, dtype=torch.int32, device=DEVICE)
+        op(key_states, value_states, keys, values, length, starts, counts, block)
+        results.append((keys, values, length, counts))
     for expected, got in zip(*results):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    keys, values, length = results[1]
+    keys, values, length, counts = results[1]
     assert length.item() == start + tokens
+    assert counts.tolist() == [max(0, -(-(start + tokens - int(s)) // block)) for s in starts]
     torch.testing.assert_close(keys[:, :, start:start + tokens], key_states, rtol=0, atol=0)
     torch.testing.assert_close(values[:, :, start:start + tokens], value_states, rtol=0, atol=0)
     untouched = torch.ones(slots, dtype=torch.bool)
@@ -720,6 +724,11 @@ def test_append_kv_errors():
         kernels.append_kv(states, states, keys, values, torch.tensor([3.0]))
     with pytest.raises(ValueError, match="one-element integer"):
         kernels.append_kv(states, states, keys, values, 3)
+    with pytest.raises(ValueError, match="counts must be"):
+        kernels.append_kv(states, states, keys, values, length, torch.zeros(1, dtype=torch.long), torch.zeros(2), 16)
+    with pytest.raises(ValueError, match="block_size"):
+        kernels.append_kv(states, states, keys, values, length, torch.zeros(1, dtype=torch.long),
+                          torch.zeros(1, dtype=torch.int32), 0)
 
 
 def test_quantize_append_errors():

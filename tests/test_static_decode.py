@@ -377,10 +377,17 @@ def test_a_static_layer_writes_at_the_device_length_while_capturing(monkeypatch)
     layer.update(step, step)
     assert int(layer.device_length) == 6 and layer.length == 21
     torch.testing.assert_close(layer.key_storage[:, :, 5:6], step)
+    assert layer.valid_blocks is None  # no padding layout yet: nothing to count
+    layer.set_padding(RowLayout(torch.tensor([2]), 2, 2))
+    layer.update(step, step)  # the append also counts the row's valid blocks: ceil((7 - 2) / 16)
+    assert int(layer.device_length) == 7 and layer.valid_blocks.tolist() == [1]
+    from hf_sparse.attention import all_blocks_selection
+    assert all_blocks_selection(layer, 2, 1).counts.flatten().tolist() == [1, 1]
     monkeypatch.setattr(cache_module, "capturing", lambda device: False)
     layer.update(step * 2, step * 2)
-    assert int(layer.device_length) == 22 and layer.length == 22
-    torch.testing.assert_close(layer.key_storage[:, :, 21:22], step * 2)
+    assert int(layer.device_length) == 23 and layer.length == 23 and layer.valid_blocks is None
+    torch.testing.assert_close(layer.key_storage[:, :, 22:23], step * 2)
+    assert all_blocks_selection(layer, 2, 1).counts.flatten().tolist() == [2, 2]  # ceil(21 / 16), from the length
 
 
 def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():

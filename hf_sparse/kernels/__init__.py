@@ -174,10 +174,10 @@ def cumulative_threshold_select(mass, available, forced, threshold):
     return reference.cumulative_threshold_select(mass, available, forced, threshold)
 
 
-def append_kv(key_states, value_states, key_storage, value_storage, length):
-    """See :func:`reference.append_kv` (a static cache's writes at its device-side length; one launch on
-    Triton, five PyTorch ops on the reference)."""
-    args = (key_states, value_states, key_storage, value_storage, length)
+def append_kv(key_states, value_states, key_storage, value_storage, length, starts=None, counts=None, block_size=0):
+    """See :func:`reference.append_kv` (a static cache's writes at its device-side length, and optionally each
+    row's valid block count; one launch on Triton)."""
+    args = (key_states, value_states, key_storage, value_storage, length, starts, counts, block_size)
     check_append_kv_inputs(*args)
     if backend_for(key_states) == "triton":
         return _TRITON_OPS[9].append_kv(*args)

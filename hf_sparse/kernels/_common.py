@@ -84,7 +84,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
-                           value_storage: torch.Tensor, length: torch.Tensor) -> None:
+                           value_storage: torch.Tensor, length: torch.Tensor, starts: torch.Tensor | None = None,
+                           counts: torch.Tensor | None = None, block_size: int = 0) -> None:
     """Raise a clear error for an ``append_kv`` call the ops do not take (the device-side ``length`` is not
     range-checked: that would read it back to the host)."""
     if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
@@ -103,6 +104,15 @@ def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor,
         raise ValueError(f"length must be a one-element integer tensor, got {length!r}")
     if not (key_states.device == value_states.device == key_storage.device == value_storage.device == length.device):
         raise ValueError("states, storage and length must be on one device")
+    if counts is not None:
+        batch = key_states.shape[0]
+        for name, tensor in (("starts", starts), ("counts", counts)):
+            if (not isinstance(tensor, torch.Tensor) or tensor.shape != (batch,) or tensor.is_floating_point()
+                    or tensor.device != length.device or not tensor.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous integer [{batch}] tensor on {length.device}, got "
+                                 f"{tensor if not isinstance(tensor, torch.Tensor) else (tuple(tensor.shape), tensor.dtype)}")
+        if block_size < 1:
+            raise ValueError(f"block counts need a block_size >= 1, got {block_size}")
 
 
 def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,

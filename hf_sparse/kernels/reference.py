@@ -384,15 +384,26 @@ def dequantize_per_token(quantized: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
-              value_storage: torch.Tensor, length: torch.Tensor) -> None:
+              value_storage: torch.Tensor, length: torch.Tensor, starts: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None, block_size: int = 0) -> None:
     """Write ``[B, H, n, D]`` key and value states at slots ``length + [0, n)`` of token-major storage
     (``[B, H, S, D]`` / ``[B, H, S, Dv]``) and advance ``length`` (a one-element integer tensor on the states'
-    device: a static cache's valid-slot count) by ``n``; nothing is read back to the host."""
+    device: a static cache's valid-slot count) by ``n``; nothing is read back to the host. With ``counts``
+    (integer ``[B]``), also write each row's number of valid key blocks, ``ceil((length - starts[b]) /
+    block_size)`` of the new length (``starts``: the rows' left-padding slots)."""
     tokens = key_states.shape[2]
     positions = length.reshape(1).long() + torch.arange(tokens, device=length.device)
     key_storage.index_copy_(2, positions, key_states)
     value_storage.index_copy_(2, positions, value_states)
     length.add_(tokens)
+    if counts is not None:
+        counts.copy_(valid_blocks(length, starts, block_size))
+
+
+def valid_blocks(length: torch.Tensor | int, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each row's number of key blocks holding valid slots, ``ceil((length - starts[b]) / block_size)`` (``[B]``,
+    int64; ``length`` an int or a one-element tensor)."""
+    return torch.div((length - starts.long()).clamp_min(0) + block_size - 1, block_size, rounding_mode="floor")
 
 
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
