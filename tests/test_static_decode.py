@@ -17,7 +17,7 @@ from conftest import build, tiny_config
 import hf_sparse
 from hf_sparse import SparseCache, kernels
 from hf_sparse.kernels import reference as ref
-from hf_sparse.selection import BlockSelection, RowLayout
+from hf_sparse.selection import RowLayout
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -182,9 +182,9 @@ def test_decode_select_and_attention_with_device_length(size, batch, q_heads, kv
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("batch, q_heads, kv_heads, dtype, num_queries", [(1, 9, 3, "bf16", 1), (3, 4, 2, "fp32", 2)])
 def test_all_blocks_decode_reads_only_the_valid_blocks(size, batch, q_heads, kv_heads, dtype, num_queries):
-    """A static layer's all-blocks selection is a constant listing every stored block; the decode kernel stops at
-    each row's last valid block (from the device length and the row's start), so the result equals dense
-    attention over the valid slots, and the slots past the length (huge values) are never read."""
+    """A static layer's all-blocks selection lists every stored block with each row's valid block count (from the
+    device length and the row's start), so the decode equals dense attention over the valid slots and the slots
+    past the length (huge values) are never read."""
     from hf_sparse.attention import all_blocks_selection
 
     gen = torch.Generator().manual_seed(seed("all-blocks", size, batch, q_heads, dtype, num_queries))
@@ -192,22 +192,21 @@ def test_all_blocks_decode_reads_only_the_valid_blocks(size, batch, q_heads, kv_
     length, capacity, block, dim = d["length"], d["capacity"], d["block"], 64
     dtype = DTYPES[dtype]
     layer = SparseCache(tiny_config(layers=1), block_size=block, max_cache_len=capacity).layers[0]
-    layer.update(*(torch.zeros(batch, kv_heads, 1, dim, dtype=dtype, device=DEVICE),) * 2)
+    layer.update(*(torch.zeros(batch, kv_heads, length, dim, dtype=dtype, device=DEVICE),) * 2)
     layer.key_storage = storage(batch, kv_heads, capacity, length, dim, dtype, gen)
     layer.value_storage = storage(batch, kv_heads, capacity, length, dim, dtype, gen)
-    kv_start = torch.tensor([0, 11, 30][:batch], device=DEVICE)
+    rows = RowLayout(torch.tensor([0, 11, 30][:batch], device=DEVICE), 0, 30 if batch > 1 else 0)
+    layer.set_padding(rows)
     selection = all_blocks_selection(layer, kv_heads, num_queries)
-    assert selection.counts.unique().tolist() == [capacity // block]
+    assert selection.indices.shape[-1] == capacity // block
+    assert selection.counts[:, 0, 0].tolist() == [-(-(length - int(s)) // block) for s in rows.starts]
     query = torch.randn(batch, q_heads, num_queries, dim, generator=gen).to(dtype).to(DEVICE)
     scale = dim ** -0.5
-    dense = RowLayout(kv_start, 0, 30)
-    needed = BlockSelection.from_mask(torch.ones(batch, kv_heads, 1, -(-length // block), dtype=torch.bool,
-                                                 device=DEVICE), block_size=block, query_tile=num_queries)
     expected, expected_lse = ref.sparse_attention(query, layer.key_storage[:, :, :length],
-                                                  layer.value_storage[:, :, :length], needed, scale=scale,
-                                                  q_offset=length - num_queries, kv_start=dense)
+                                                  layer.value_storage[:, :, :length], selection, scale=scale,
+                                                  q_offset=length - num_queries, kv_start=rows)
     out, lse = kernels.sparse_attention(query, layer.key_storage, layer.value_storage, selection, scale=scale,
-                                        q_offset=0, kv_start=dense, length=length_tensor(length))
+                                        q_offset=0, kv_start=rows, length=layer.device_length)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) <= REL_TOL[dtype]
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-4)

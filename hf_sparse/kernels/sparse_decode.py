@@ -100,9 +100,6 @@ def _sparse_decode_kernel(
         alibi_log2 = 0.0
 
     count = tl.load(COUNTS + b * stride_cb + sel_head * stride_ch)
-    # No entry past the row's last valid block is read: an all-blocks selection lists the whole storage, and its
-    # count is this (no launches per step to count the blocks).
-    count = tl.minimum(count, tl.maximum(key_length - kv_start + BLOCK_SIZE - 1, 0) // BLOCK_SIZE)
     if HAS_SKIP:
         count = tl.where(skipped == 0, count, 0)
     per_split = (count + splits - 1) // splits
@@ -186,8 +183,7 @@ def sparse_decode(
     ``out`` / ``lse`` are written in place when given; rows in ``skip`` are not touched. No value is read
     back to the host. ``length`` (a one-element integer tensor on the device) is the number of valid key
     slots when ``key`` / ``value`` are a static cache's whole storage; ``q_offset`` is then ``length - Sq``,
-    read in the kernel, so one launch serves every step of a CUDA graph. A row's entries past its last valid
-    block are not read (its count is cut there), so a selection of every stored block is valid at any length.
+    read in the kernel, so one launch serves every step of a CUDA graph.
     """
     out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes = attention_outputs(
         query, key, value, selection, kv_start, logn_base, skip, key_scale, value_scale, alibi_slopes, out, lse)
