@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
-from .cache import LAYER_ATTR
+from .cache import DECODE_MAX_QUERY, LAYER_ATTR
 from .config import config_value, method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from . import density
@@ -25,9 +25,6 @@ from .selection import BlockSelection, RowLayout
 
 logger = logging.getLogger(__name__)
 
-#: Calls with at most this many queries and a non-empty past run the decode path (one selection per
-#: GQA group shared by all queries of the call: plain, assisted and speculative decoding).
-DECODE_MAX_QUERY = 16
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -18,6 +18,11 @@ CACHE_KWARG = "cache" if "cache" in getattr(_generation_utils, "ALL_CACHE_NAMES"
 #: Every name a cache may arrive under (the current one first).
 CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "past_key_values")))
 
+#: Calls with at most this many queries and a non-empty past run the decode path (one selection per GQA group
+#: shared by all queries of the call: plain, assisted and speculative decoding); only such calls are captured into
+#: CUDA graphs (:mod:`hf_sparse.graphs`), so a longer write (a prefill) never asks whether a capture is under way.
+DECODE_MAX_QUERY = 16
+
 #: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
 #: reach the layer (transformers does not pass the cache object to attention functions).
 LAYER_ATTR = "_hf_sparse_layer"
@@ -230,7 +235,7 @@ class SparseCacheLayer(CacheLayerMixin):
             self._grow(new_length, key_states, value_states)
         # A static layer writes at the device's length while a CUDA graph captures (what a replay reads), else at
         # the host's, which equals it then, and sets the device's (fewer launches: a short prefill is host-bound).
-        on_device = self.static and capturing(self.device)
+        on_device = self.static and key_states.shape[2] <= DECODE_MAX_QUERY and capturing(self.device)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
             kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
                                     self.key_scale_storage, self.value_scale_storage,
@@ -241,7 +246,7 @@ class SparseCacheLayer(CacheLayerMixin):
             starts = self.row_layout.starts if self.row_layout is not None else None
             if starts is not None and (self._valid_blocks_storage is None
                                        or self._valid_blocks_storage.shape[0] != starts.shape[0]):
-                self._valid_blocks_storage = torch.zeros(starts.shape[0], dtype=torch.int32, device=self.device)
+                self._valid_blocks_storage = torch.empty(starts.shape[0], dtype=torch.int32, device=self.device)
             counts = self._valid_blocks_storage if starts is not None else None
             kernels.append_kv(key_states, value_states, self.key_storage, self.value_storage, self.device_length,
                               starts, counts, self.block_size)

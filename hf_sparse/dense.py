@@ -15,7 +15,7 @@ from .padding import mask_layout, padding_layout
 
 
 #: Keyword arguments dense_attention computes itself rather than pass to sdpa: softcap, sinks, sliding window.
-_NOT_FOR_SDPA = ("softcap", "s_aux", "sliding_window")
+_NOT_FOR_SDPA = frozenset(("softcap", "s_aux", "sliding_window"))
 
 
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -25,7 +25,9 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     A model that passes ``softcap`` (Gemma 2) or ``s_aux`` (GPT-OSS's sinks) gets :func:`eager_attention` with
     transformers' eager mask: sdpa cannot compute either (transformers' sdpa raises on ``softcap`` and ignores
     ``s_aux``), and those models run eager attention by default."""
-    softcap, sinks, window = (kwargs.pop(name, None) for name in _NOT_FOR_SDPA) if kwargs else (None, None, None)
+    softcap = sinks = window = None
+    if kwargs and not _NOT_FOR_SDPA.isdisjoint(kwargs):
+        softcap, sinks, window = kwargs.pop("softcap", None), kwargs.pop("s_aux", None), kwargs.pop("sliding_window", None)
     eager = softcap is not None or sinks is not None
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
     if (not eager and window is None and (num_queries == 1 or num_queries == key_length)
