@@ -237,7 +237,7 @@ def replot(args: argparse.Namespace) -> None:
                 row[key] = {int(n): value for n, value in row.get(key, {}).items()}
             kept = merged.setdefault((row["length"], row["method"]), {})
             for key, value in row.items():
-                if value not in (None, {}, []) and (key in TTFT_FIELDS or key not in kept):
+                if value not in (None, {}, []) and (key in TTFT_FIELDS or kept.get(key) in (None, {}, [])):
                     kept[key] = value
             ttft_source[(row["length"], row["method"])] = index
             for key in ("tpot_ms", "captures_per_call", "replays_per_call", "tokens"):
