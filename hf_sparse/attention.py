@@ -25,7 +25,6 @@ from .selection import BlockSelection, RowLayout
 
 logger = logging.getLogger(__name__)
 
-
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -133,7 +132,7 @@ def static_scales(cache_layer: Any) -> dict[str, torch.Tensor]:
     return {"key_scale": cache_layer.key_scale_storage, "value_scale": cache_layer.value_scale_storage}
 
 
-_ALL_BLOCKS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_ALL_BLOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def all_blocks_selection(cache_layer: Any, kv_heads: int, num_queries: int) -> BlockSelection:

@@ -236,6 +236,7 @@ class SparseCacheLayer(CacheLayerMixin):
         # A static layer writes at the device's length while a CUDA graph captures (what a replay reads), else at
         # the host's, which equals it then, and sets the device's (fewer launches: a short prefill is host-bound).
         on_device = self.static and key_states.shape[2] <= DECODE_MAX_QUERY and capturing(self.device)
+        self.valid_blocks = None  # (a device-side append below writes them)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
             kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
                                     self.key_scale_storage, self.value_scale_storage,
@@ -253,7 +254,6 @@ class SparseCacheLayer(CacheLayerMixin):
             self.valid_blocks = counts
         elif self.length == 0:  # a sequence's first states: the written slots are the views update() returns
             self.length = new_length
-            self.valid_blocks = None
             if self.static:
                 self._pending_length = new_length
             self._stale_views = False
@@ -268,8 +268,6 @@ class SparseCacheLayer(CacheLayerMixin):
             self.value_storage.narrow(2, self.length, value_states.shape[2]).copy_(value_states)
         if self.static and not on_device:
             self._pending_length = new_length
-        if not on_device or self.quantized:
-            self.valid_blocks = None
         self.length = new_length
         return self._views()
 
