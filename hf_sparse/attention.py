@@ -99,8 +99,8 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
     if (config.dense_above_density is None or not getattr(module, "is_causal", True)
             or not falls_back_by_density(query)):
         return False
-    floor, threshold, _ = density.floor_and_threshold(METHODS[method](config), config.dense_above_density,
-                                                      num_queries, key_length, query.shape[-1])
+    floor, threshold, _ = density.known_floor_and_threshold(METHODS[method], config, num_queries, key_length,
+                                                            query.shape[-1])
     return floor >= threshold
 
 
@@ -186,18 +186,20 @@ def sparse_attention_forward(
     them: the dense path is eager's math (:func:`~hf_sparse.dense.eager_attention`); the sparse kernels cap the
     scaled scores and rescale the output by the sinks (``kernels.reference.sparse_attention``); the selection
     sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
-    batch, q_heads, num_queries, head_dim = query.shape
-    key_length = key.shape[2]
+    num_queries, key_length = query.shape[2], key.shape[2]
     config = method_config(module.config, method)
     cache_layer = getattr(key, LAYER_ATTR, None)
-    if getattr(cache_layer, "static", False) and cache_layer.row_layout is None:
+    if cache_layer is not None and cache_layer.row_layout is None and cache_layer.static:
         # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
-        cache_layer.set_padding(padding_layout(attention_mask, batch, key_length, query.device, validate=False))
+        cache_layer.set_padding(padding_layout(attention_mask, query.shape[0], key_length, query.device,
+                                               validate=False))
     if not recording() and known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer,
                                                kwargs):
-        # The common prompt that runs dense in every layer, in the fewest host steps. Recording takes the path
-        # below, which names each layer's reason.
+        # The common prompt that runs dense in every layer, in the fewest host steps (a prompt of a few thousand
+        # tokens is bound by the host's time per layer). Recording takes the path below, which names each
+        # layer's reason.
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    batch, q_heads, num_queries, head_dim = query.shape
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
@@ -271,8 +273,8 @@ def sparse_attention_forward(
                                softcap=extras.get("softcap"))
     falls_back = phase == "prefill" and config.dense_above_density is not None and falls_back_by_density(query)
     if falls_back:
-        floor, threshold, share = density.floor_and_threshold(policy, config.dense_above_density, num_queries,
-                                                              key_length, head_dim)
+        floor, threshold, share = density.known_floor_and_threshold(METHODS[method], config, num_queries,
+                                                                    key_length, head_dim)
         if floor >= threshold:
             return run_dense(lambda: f"the sparsest selection keeps {floor:.3f} >= {threshold:.3f} (dense_above_"
                              f"density {config.dense_above_density} less the selection, {share:.2f} of dense attention)")

@@ -130,6 +130,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.row_layout: RowLayout | None = None
         # The layout whose starts tensor this layer keeps (across reset(), for reuse by the next sequence).
         self._kept_layout: RowLayout | None = None
+        self._kept_source: RowLayout | None = None  # the layout _kept_layout was last set from
 
     # -- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -312,8 +313,14 @@ class SparseCacheLayer(CacheLayerMixin):
         """Take the sequence's padding layout (left-padding slots per row: a :class:`RowLayout`, or a tensor whose
         range is then read once), and lay int8 values out for it (blocked when every row starts at one slot on
         the block grid)."""
-        row_layout = RowLayout.of(row_layout)
         kept = self._kept_layout
+        if row_layout is self._kept_source and kept is not None and not self.quantized:
+            # The very layout this storage took last (layouts passed down are never changed in place): every
+            # layer of a reset cache taking the shared no-padding layout, in one host step.
+            self.row_layout = kept
+            return
+        self._kept_source = row_layout if isinstance(row_layout, RowLayout) else None
+        row_layout = RowLayout.of(row_layout)
         if (kept is not None and (kept.low, kept.high) == (row_layout.low, row_layout.high)
                 and kept.starts.shape == row_layout.starts.shape and kept.starts.device == row_layout.starts.device
                 and kept.starts.dtype == row_layout.starts.dtype):
@@ -393,6 +400,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
             self.row_layout = self._kept_layout = RowLayout.read(fn(self.row_layout.starts))
+            self._kept_source = None
         self.version += 1
         self._views()
 

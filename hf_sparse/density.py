@@ -35,6 +35,27 @@ def floor_and_threshold(policy: object, dense_above_density: float, num_queries:
     return policy.density_floor(num_queries, key_length), probe_threshold(dense_above_density, share), share
 
 
+#: :func:`floor_and_threshold` per (policy class and its two estimates, configuration object, shape), with the
+#: configuration it was computed for: a pure function of them that every layer of a forward asks (a short
+#: prefill is bound by the host).
+_FLOORS: dict[tuple, tuple[object, tuple[float, float, float]]] = {}
+
+
+def known_floor_and_threshold(policy_class: type, config: object, num_queries: int, key_length: int,
+                              head_dim: int) -> tuple[float, float, float]:
+    """:func:`floor_and_threshold` of ``policy_class(config)`` at ``config.dense_above_density``, memoised."""
+    key = (policy_class, policy_class.density_floor, policy_class.selection_share, id(config),
+           config.dense_above_density, num_queries, key_length, head_dim)
+    known = _FLOORS.get(key)
+    if known is not None and known[0] is config:
+        return known[1]
+    if len(_FLOORS) >= 1024:
+        _FLOORS.clear()
+    value = floor_and_threshold(policy_class(config), config.dense_above_density, num_queries, key_length, head_dim)
+    _FLOORS[key] = (config, value)
+    return value
+
+
 def falls_back_by_density(query: torch.Tensor) -> bool:
     """Whether a dense selection is run dense: on CUDA with the Triton kernels, where dense attention (cuDNN or
     flash) is faster than the sparse kernel at high density. Elsewhere the sparse path always runs, so the

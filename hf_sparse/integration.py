@@ -99,6 +99,19 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
     return _static_cache_length(generation_config, args, kwargs)
 
 
+def _default_dynamic_cache(model: PreTrainedModel, generation_config: Any, model_kwargs: dict,
+                           implementation: str | None) -> bool:
+    """Whether transformers' cache preparation would make a new, empty DynamicCache for this generate() call of one
+    of our implementations (no cache passed, caching on, no cache_implementation, a decoder-only model that takes
+    Cache objects, not an assistant's): the cache :func:`_prepare_cache_for_generation` replaces."""
+    return (implementation in METHODS and model_kwargs.get(CACHE_KWARG) is None
+            and generation_config.use_cache is not False and generation_config.cache_implementation is None
+            and not getattr(generation_config, "is_assistant", False)
+            and not getattr(model.config, "is_encoder_decoder", False)
+            and "mamba" not in type(model).__name__.lower()
+            and getattr(model, "_supports_default_dynamic_cache", lambda: False)())
+
+
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
     """Default ``generate()`` cache: a SparseCache for our implementations when the user passed none (static,
     with the forward wrapped for CUDA-graph decode, where :mod:`hf_sparse.graphs` applies). A static
@@ -110,16 +123,17 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     if static_asked:  # let transformers make (and allocate) no preallocated cache; the caller's config unchanged
         generation_config = copy.copy(generation_config)
         generation_config.cache_implementation = None
-    result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
-    cache = model_kwargs.get(CACHE_KWARG)
-    if (
-        implementation in METHODS
-        and generation_config.cache_implementation is None
-        and cache is not None
-        and type(cache).__name__ == "DynamicCache"
-        and not getattr(cache, "_is_user_defined", False)
-        and cache.get_seq_length() == 0
-    ):
+    if _default_dynamic_cache(self, generation_config, model_kwargs, implementation):
+        # transformers would make a DynamicCache (one object per layer) only for it to be replaced below: skip it
+        # (a short prompt's generate() is bound by the host's time)
+        result, replace = None, True
+    else:
+        result = _ORIGINAL["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get(CACHE_KWARG)
+        replace = (implementation in METHODS and generation_config.cache_implementation is None
+                   and cache is not None and type(cache).__name__ == "DynamicCache"
+                   and not getattr(cache, "_is_user_defined", False) and cache.get_seq_length() == 0)
+    if replace:
         length = _graph_cache_length(self, generation_config, args, kwargs)
         if length is None and static_asked:
             length = _static_cache_length(generation_config, args, kwargs)

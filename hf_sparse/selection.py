@@ -106,7 +106,9 @@ class RowLayout:
         """Every row starting at slot ``start`` (no padding by default); nothing is read back. One object per
         (batch, device, start), made once: every layer of every call shares it, so its ``starts`` are never to be
         changed in place (as any layout passed down a forward)."""
-        key = (batch, torch.device(device) if device is not None else torch.device("cpu"), start)
+        if not isinstance(device, torch.device):
+            device = torch.device(device) if device is not None else torch.device("cpu")
+        key = (batch, device, start)
         layout = _UNIFORM.get(key)
         if layout is None:
             layout = _UNIFORM[key] = cls(torch.full((batch,), start, dtype=torch.int64, device=key[1]), start, start)

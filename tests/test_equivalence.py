@@ -194,6 +194,69 @@ def test_user_passed_cache_wins_and_dynamic_cache_stays_correct():
     assert torch.equal(out.sequences, ref_out)
 
 
+def test_generate_makes_no_dynamic_cache_it_would_replace(monkeypatch):
+    """generate() of our implementations skips transformers' cache preparation where it would make a new, empty
+    DynamicCache only for the hook to replace it (each cache layer an object: host time of a short prompt), and
+    keeps calling it where transformers' preparation decides (a user's cache, use_cache=False, a quantized
+    cache, sdpa)."""
+    from transformers import DynamicCache
+
+    from hf_sparse import integration
+
+    prepared = []
+    original = integration._ORIGINAL["prepare_cache"]
+    monkeypatch.setitem(integration._ORIGINAL, "prepare_cache",
+                        lambda *a, **k: prepared.append(1) or original(*a, **k))
+    config = tiny_config("llama", 4, 2)
+    sparse, dense = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(sparse, full_density())
+    ids = torch.randint(3, 128, (1, 40))
+    with torch.no_grad():
+        out = sparse.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        assert prepared == [] and isinstance(out.past_key_values, hf_sparse.SparseCache)
+        assert torch.equal(out.sequences, dense.generate(ids, max_new_tokens=4, do_sample=False))
+        assert prepared == [1]  # sdpa: transformers' own
+        sparse.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=DynamicCache(config=sparse.config))
+        sparse.generate(ids, max_new_tokens=2, do_sample=False, use_cache=False)
+        assert prepared == [1, 1, 1]
+        with pytest.raises((ValueError, ImportError), match="quanto"):  # transformers' own answer
+            sparse.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="quantized")
+        assert prepared == [1, 1, 1, 1]
+
+
+def test_a_reset_static_layer_takes_a_layout_again_in_one_step():
+    """Every layer of a reset static cache taking the layout it took last keeps its copy (same object, same
+    version: graphs over it stay valid); another layout is copied in or kept anew."""
+    from hf_sparse.selection import RowLayout
+
+    layer = SparseCache(tiny_config(layers=1), block_size=16, max_cache_len=64).layers[0]
+    uniform, padded = RowLayout.uniform(2, "cpu"), RowLayout(torch.tensor([5, 0]), 0, 5)
+    layer.set_padding(uniform)
+    kept, version = layer.row_layout, layer.version
+    for layout, starts in ((uniform, [0, 0]), (padded, [5, 0]), (RowLayout(torch.tensor([0, 3]), 0, 5), [0, 3]),
+                           (uniform, [0, 0]), (uniform, [0, 0])):
+        layer.reset()
+        layer.set_padding(layout)
+        assert layer.row_layout.starts.tolist() == starts
+    assert layer.row_layout.starts.tolist() == [0, 0] and uniform.starts.tolist() == [0, 0]
+    layer.reset()
+    layer.set_padding(uniform)
+    assert layer.row_layout is layer._kept_layout
+
+
+def test_density_floor_memo_equals_the_estimate():
+    from hf_sparse import density
+    from hf_sparse.methods import METHODS
+
+    for method, config in (("plas", hf_sparse.PLASConfig()), ("xattn", hf_sparse.XAttnConfig()),
+                           ("plas", hf_sparse.PLASConfig(dense_above_density=0.5))):
+        for length in (4096, 8192, 65536, 131072):
+            for _ in range(2):
+                assert density.known_floor_and_threshold(METHODS[method], config, length, length, 64) == \
+                    density.floor_and_threshold(METHODS[method](config), config.dense_above_density, length, length,
+                                                64)
+
+
 def test_bad_inputs_get_clear_errors():
     model = build(tiny_config(), "plas")
     hf_sparse.configure(model, full_density())

@@ -45,14 +45,32 @@ if _TRITON_AVAILABLE:
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
 
+def _environment_value(name: str) -> str:
+    """``os.environ.get(name, "")`` in one dict lookup where CPython's mapping allows it: its own lookup encodes the
+    key in Python (microseconds), and the backend is asked by every layer of every forward."""
+    key = _ENCODED_NAMES.get(name)
+    data = getattr(os.environ, "_data", None)
+    if key is None or not isinstance(data, dict):
+        return os.environ.get(name, "")
+    raw = data.get(key)
+    return "" if raw is None else os.environ.decodevalue(raw)
+
+
+#: The variables backend_for reads, in os.environ's key encoding (where it has one).
+_ENCODED_NAMES = ({name: os.environ.encodekey(name) for name in ("HF_SPARSE_BACKEND", "TRITON_INTERPRET")}
+                  if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue") else {})
+
+
 def backend_for(tensor: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"``: the implementation used for ops on ``tensor``."""
-    choice = os.environ.get("HF_SPARSE_BACKEND", "").strip().lower()
+    choice = _environment_value("HF_SPARSE_BACKEND")
+    if choice:
+        choice = choice.strip().lower()
     if choice not in ("", "torch", "triton"):
         raise ValueError(f"HF_SPARSE_BACKEND must be 'torch' or 'triton', got {choice!r}")
     if choice == "torch":
         return "torch"
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = _environment_value("TRITON_INTERPRET") == "1"
     usable = _TRITON_AVAILABLE and (tensor.is_cuda or interpret) and _triton_ops_present()
     if choice == "triton" and not usable:
         raise RuntimeError(
