@@ -233,15 +233,15 @@ def test_a_reset_static_layer_takes_a_layout_again_in_one_step():
     uniform, padded = RowLayout.uniform(2, "cpu"), RowLayout(torch.tensor([5, 0]), 0, 5)
     layer.set_padding(uniform)
     kept, version = layer.row_layout, layer.version
-    for layout, starts in ((uniform, [0, 0]), (padded, [5, 0]), (RowLayout(torch.tensor([0, 3]), 0, 5), [0, 3]),
-                           (uniform, [0, 0]), (uniform, [0, 0])):
+    layer.reset()
+    layer.set_padding(uniform)
+    assert layer.row_layout is kept and layer.version == version
+    for layout, starts in ((padded, [5, 0]), (RowLayout(torch.tensor([0, 3]), 0, 5), [0, 3]), (uniform, [0, 0]),
+                           (uniform, [0, 0]), (padded, [5, 0])):
         layer.reset()
         layer.set_padding(layout)
         assert layer.row_layout.starts.tolist() == starts
-    assert layer.row_layout.starts.tolist() == [0, 0] and uniform.starts.tolist() == [0, 0]
-    layer.reset()
-    layer.set_padding(uniform)
-    assert layer.row_layout is layer._kept_layout
+    assert uniform.starts.tolist() == [0, 0] and padded.starts.tolist() == [5, 0]
 
 
 def test_density_floor_memo_equals_the_estimate():
