@@ -11,6 +11,13 @@ per norm, one for the MLP's activation and product, one or two for the rotation 
 else of the model changes, and nothing outside the warm-up and capture runs compiled (the prefill and eager
 decode stay as transformers wrote them).
 
+Llama-style decoder layers (:func:`fusable_layer`: Llama, Mistral, Qwen2 layers of plain linear layers, RMSNorms and
+a SiLU-gated MLP) go further: their forward is swapped whole for :func:`fused_layer_forward`, whose weight
+products run as four :func:`hf_sparse.kernels.decode_linear` launches (the norm and the query, key and value
+products; the output product and the residual add; the norm and the gated up product; the down product and the
+residual add) around the rotary embedding, the cache write and the attention function, which it calls as the
+layer's attention module does. Nothing is copied: the kernels read the modules' own weights.
+
 A class or function whose compilation or compiled call fails runs eagerly from then on (logged once): these are
 pure functions of their inputs, so the eager retry sees exactly the same inputs.
 """
@@ -23,6 +30,9 @@ import sys
 from typing import Any, Iterator
 
 import torch
+
+from . import kernels
+from .kernels._common import DECODE_LINEAR_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +86,97 @@ def _fused_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(cls, cls.forward, cls.__name__, module, *args, **kwargs)
 
 
+#: Decoder layer classes whose forward :func:`fused_layer_forward` computes (read in transformers 5.17-5.24: the
+#: norm, attention with rotary embedding, residual add, norm, gated MLP, residual add; the layer returns a tensor).
+_FUSED_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def fusable_layer(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s decode steps may run :func:`fused_layer_forward`: one of the known Llama-style classes,
+    made of plain ``nn.Linear`` projections (a bias on all of q / k / v or none), RMSNorms and a SiLU gate, all
+    in one dtype, with no hooks (another library's offloading or quantisation) and no query / key norms."""
+    if type(layer).__name__ not in _FUSED_LAYER_CLASSES or type(layer).forward.__annotations__.get("return") not in (
+            "torch.Tensor", torch.Tensor):
+        return False
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    linears = [getattr(attention, name, None) for name in _PROJECTIONS] + \
+        [getattr(mlp, name, None) for name in _MLP_PROJECTIONS]
+    if any(type(linear) is not torch.nn.Linear for linear in linears) or hasattr(attention, "q_norm") \
+            or hasattr(attention, "k_norm") or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    if any(not type(norm).__name__.endswith("RMSNorm") or not isinstance(getattr(norm, "variance_epsilon", None), float)
+           or getattr(norm, "weight", None) is None for norm in norms):
+        return False
+    if len({linear.bias is None for linear in linears[:3]}) != 1:
+        return False
+    tensors = [linear.weight for linear in linears] + [norm.weight for norm in norms]
+    if len({tensor.dtype for tensor in tensors}) != 1 or not all(tensor.is_contiguous() for tensor in tensors):
+        return False
+    return not any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules())
+
+
+def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """What a :func:`fusable_layer`'s own forward computes, with its weight products in four launches
+    (:func:`hf_sparse.kernels.decode_linear`); the layer's own forward where those do not apply (positional
+    arguments, more rows than a decode step's, no rotary embedding or cache given, another dtype). The attention
+    function gets what the layer's attention module passes it: the mask, and the layer's other keyword arguments
+    (position ids, ...) but the rotary embedding and the cache."""
+    attention, mlp = layer.self_attn, layer.mlp
+    batch, steps, hidden = hidden_states.shape
+    rows = batch * steps
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    position_embeddings = kwargs.get("position_embeddings")
+    if args or rows > DECODE_LINEAR_MAX_ROWS or position_embeddings is None or cache is None \
+            or hidden_states.dtype != attention.q_proj.weight.dtype:
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    passed = {name: value for name, value in kwargs.items()
+              if name not in ("attention_mask", "position_embeddings", "cache", "past_key_values")}
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    x = hidden_states.reshape(rows, hidden)
+    norm = layer.input_layernorm
+    projections = [getattr(attention, name) for name in _PROJECTIONS[:3]]
+    qkv = kernels.decode_linear(x, [p.weight for p in projections], [p.bias for p in projections],
+                                norm_weight=norm.weight, eps=norm.variance_epsilon)
+    head_dim = attention.head_dim
+    sizes = [p.weight.shape[0] for p in projections]
+    query, key, value = (part.view(batch, steps, -1, head_dim).transpose(1, 2) for part in qkv.split(sizes, dim=-1))
+    cos, sin = position_embeddings
+    query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
+    key, value = cache.update(key, value, attention.layer_idx)
+    function = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
+    output, _ = function(attention, query, key, value, kwargs.get("attention_mask"), dropout=0.0,
+                         scaling=attention.scaling, **passed)
+    output = output.reshape(rows, -1)
+    o_proj = attention.o_proj
+    x = kernels.decode_linear(output, [o_proj.weight], [o_proj.bias], residual=x)
+    norm = layer.post_attention_layernorm
+    gate, up, down = (getattr(mlp, name) for name in _MLP_PROJECTIONS)
+    product = kernels.decode_linear(x, [gate.weight, up.weight], [gate.bias, up.bias], norm_weight=norm.weight,
+                                    eps=norm.variance_epsilon, gated=True)
+    x = kernels.decode_linear(product, [down.weight], [down.bias], residual=x)
+    return x.view(batch, steps, hidden)
+
+
 @contextlib.contextmanager
 def fused_modules(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Within the block, ``model``'s norms and dense MLPs run compiled forwards (:func:`fusable`) and its modeling
-    module's rotary embedding a compiled function; yields how many modules and functions were swapped. Modules
-    whose ``forward`` is already an instance attribute (another library's hook) are left alone."""
+    """Within the block, ``model``'s Llama-style decoder layers run :func:`fused_layer_forward`, its other norms and
+    dense MLPs compiled forwards (:func:`fusable`), and its modeling module's rotary embedding a compiled function;
+    yields how many modules and functions were swapped. Modules whose ``forward`` is already an instance attribute
+    (another library's hook) are left alone."""
     swapped, functions = [], []
     try:
         if enabled:
             for module in model.modules():
-                if fusable(module) and "forward" not in module.__dict__ and \
-                        _compiled_forward(type(module)) is not None:
+                if "forward" in module.__dict__:
+                    continue
+                if fusable_layer(module):
+                    module.__dict__["forward"] = functools.partial(fused_layer_forward, module)
+                    swapped.append(module)
+                elif fusable(module) and _compiled_forward(type(module)) is not None:
                     module.__dict__["forward"] = functools.partial(_fused_call, module)
                     swapped.append(module)
             for namespace in {sys.modules.get(type(module).__module__) for module in model.modules()} - {None}:

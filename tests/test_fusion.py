@@ -11,7 +11,7 @@ import torch
 import hf_sparse
 from hf_sparse import fusion
 
-from conftest import build, tiny_config
+from conftest import build, full_density, tiny_config
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         with fusion.fused_modules(model) as swapped:
-            assert swapped == 7 + 1  # and modeling_llama.apply_rotary_pos_emb
+            assert swapped == 2 + 7 + 1  # two layers whole, the norms and MLPs, modeling_llama.apply_rotary_pos_emb
             assert all("forward" in m.__dict__ for m in model.modules() if fusion.fusable(m))
             assert modeling.apply_rotary_pos_emb is not rotary
             fused = model(input_ids=ids).logits
@@ -54,6 +54,67 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
         with fusion.fused_modules(model, enabled=False) as swapped:
             assert swapped == 0
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch, bias", [("llama", False), ("llama", True), ("mistral", False), ("qwen2", True)])
+def test_fused_layer_forward_equals_the_layers_own(eager_backend, monkeypatch, arch, bias):
+    """A Llama-style layer's decode step through fused_layer_forward: four decode_linear calls per layer, and on
+    the PyTorch path (transformers' own ops) logits equal to the layers' own forward, whatever the method; calls
+    with more rows than a decode step's, or positional arguments, run the layer's own forward."""
+    from hf_sparse.cache import CACHE_KWARG, SparseCache
+
+    config = tiny_config(arch, layers=2)
+    if arch == "llama":
+        config.attention_bias = config.mlp_bias = bias
+    calls = []
+    decode_linear = hf_sparse.kernels.decode_linear
+    monkeypatch.setattr(hf_sparse.kernels, "decode_linear", lambda *a, **k: calls.append(1) or decode_linear(*a, **k))
+    for method, method_config in (("plas", full_density()), ("xattn", hf_sparse.XAttnConfig(block_size=16))):
+        model = build(config, method)
+        hf_sparse.configure(model, method_config)
+        assert all(fusion.fusable_layer(layer) for layer in model.model.layers)
+        ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+        step = torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(2))
+        caches = [SparseCache(model.config, block_size=16, max_cache_len=64) for _ in range(2)]
+        calls.clear()
+        with torch.no_grad():
+            for cache in caches:
+                model(input_ids=ids, **{CACHE_KWARG: cache})
+            expected = model(input_ids=step, **{CACHE_KWARG: caches[0]}).logits
+            with fusion.fused_modules(model):
+                got = model(input_ids=step, **{CACHE_KWARG: caches[1]}).logits
+                assert len(calls) == 4 * 2
+                long_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+                long_fused = model(input_ids=long_ids).logits  # 80 rows: the layers' own forward
+                assert len(calls) == 4 * 2
+                layer = model.model.layers[0]
+                hidden = torch.randn(1, 1, config.hidden_size)
+                with pytest.raises(TypeError):  # positional arguments beyond the states: the layer's own forward
+                    layer(hidden, None, None, None, None, None, None, None, None, None)
+            assert torch.equal(got, expected), method
+            assert torch.equal(long_fused, model(input_ids=long_ids).logits)
+        for cache in caches:
+            assert cache.get_seq_length() == 31
+
+
+def test_unusual_layers_are_not_fused():
+    """Hooks, projections that are not plain linear layers, mixed dtypes, or query / key norms keep a layer's own
+    forward."""
+    model = build(tiny_config(layers=1), "plas")
+    layer = model.model.layers[0]
+    assert fusion.fusable_layer(layer)
+    handle = layer.mlp.register_forward_hook(lambda *a: None)
+    assert not fusion.fusable_layer(layer)
+    handle.remove()
+    layer.post_attention_layernorm.to(torch.float16)
+    assert not fusion.fusable_layer(layer)
+    layer.post_attention_layernorm.float()
+    layer.self_attn.q_norm = torch.nn.Identity()
+    assert not fusion.fusable_layer(layer)
+    del layer.self_attn.q_norm
+    layer.self_attn.k_proj = torch.nn.Sequential(layer.self_attn.k_proj)
+    assert not fusion.fusable_layer(layer)
+    assert not fusion.fusable_layer(model.model.norm)
 
 
 def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
@@ -73,7 +134,7 @@ def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
     assert fusion._COMPILED[norm_class] is None  # not tried again
     assert "LlamaRMSNorm runs eagerly" in caplog.text
     with fusion.fused_modules(model) as swapped:  # the failed class is no longer swapped
-        assert swapped == 1  # only the MLP
+        assert swapped == 2  # the layer whole (fused_layer_forward) and its MLP; no norm
 
 
 def test_nested_swaps_restore_the_original_rotary_function(eager_backend):

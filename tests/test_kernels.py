@@ -32,7 +32,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 # The op modules (`hf_sparse.kernels.<op>` as an attribute is the dispatching function of the same name).
 OPS = {name: importlib.import_module(f"hf_sparse.kernels.{name}")
        for name in ("block_summaries", "merge_lse", "select_blocks", "sparse_prefill", "sparse_decode",
-                    "quantize_append", "append_kv")}
+                    "quantize_append", "append_kv", "decode_linear")}
 
 # (size id, device, marks): "small" runs everywhere (interpreter on CPU), "large" only with `-m gpu` on CUDA.
 SIZES = [
@@ -729,6 +729,62 @@ def test_append_kv_errors():
     with pytest.raises(ValueError, match="block_size"):
         kernels.append_kv(states, states, keys, values, length, torch.zeros(1, dtype=torch.long),
                           torch.zeros(1, dtype=torch.int32), 0)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", [
+    # (rows, K, output sizes, gated, norm, residual, bias): a decode step's q/k/v after the input norm (GQA widths),
+    # the output / down product with the residual, the gated MLP after its norm, odd sizes past the tiles
+    (1, 64, (48, 16, 16), False, True, False, False), (3, 96, (40,), False, False, True, True),
+    (5, 64, (24, 24), True, True, False, False), (17, 80, (33, 7, 9), False, True, False, True),
+    (8, 48, (20, 20), True, False, False, True), (64, 32, (16,), False, True, True, False),
+])
+def test_decode_linear(size, dtype_name, case):
+    """The fused products equal the reference (transformers' eager ops) up to the summation order: rows padded to
+    a tile, columns of several weights side by side, the norm's statistics, bias, gated product, residual add."""
+    dtype = DTYPES[dtype_name]
+    rows, k, sizes, gated, norm, residual, bias = case
+    if size == "large":
+        k, sizes = k * 12, tuple(n * 12 for n in sizes)  # SmolLM2's widths: 576 in, 1536 up
+    gen = torch.Generator().manual_seed(seed("decode_linear", size, dtype_name, case))
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(DEVICE) for n in sizes]
+    biases = [torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None for n in sizes]
+    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE) if norm else None
+    outputs = sizes[0] if gated else sum(sizes)
+    res = torch.randn(rows, outputs, generator=gen).to(dtype).to(DEVICE) if residual else None
+    expected = ref.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated)
+    got = OPS["decode_linear"].decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated)
+    assert got.shape == expected.shape == (rows, outputs) and got.dtype == dtype
+    # Triton's CPU interpreter rounds float32 to bfloat16 toward zero (the GPU to nearest; checked on triton 3.9),
+    # a bias that the norm, product, activation and gated product's roundings add up: a wider bound there.
+    tolerance = 4e-2 if INTERPRETED and dtype == torch.bfloat16 else REL_TOL[dtype]
+    assert rel_err(got, expected) <= tolerance
+    torch.testing.assert_close(got, kernels.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated))
+
+
+def test_decode_linear_errors():
+    """Inputs the op does not take get a clear error naming what is wrong."""
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"\[M, K\] input"):
+        kernels.decode_linear(x[None], [w], [None])
+    with pytest.raises(ValueError, match="1 to 64 input rows"):
+        kernels.decode_linear(torch.randn(65, 16), [w], [None])
+    with pytest.raises(ValueError, match="contiguous \\[N, 16\\]"):
+        kernels.decode_linear(x, [torch.randn(8, 12)], [None])
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        kernels.decode_linear(x, [w] * 4, [None] * 4)
+    with pytest.raises(ValueError, match="every weight or for none"):
+        kernels.decode_linear(x, [w, w], [torch.zeros(8), None])
+    with pytest.raises(ValueError, match="gated product takes two weights of one shape"):
+        kernels.decode_linear(x, [w, torch.randn(4, 16)], [None, None], gated=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        kernels.decode_linear(x, [w], [None], residual=torch.zeros(2, 9))
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.decode_linear(x, [w], [None], norm_weight=torch.ones(15))
+    with pytest.raises(TypeError, match="one dtype"):
+        kernels.decode_linear(x, [w.half()], [None])
 
 
 def test_quantize_append_errors():

@@ -12,11 +12,11 @@ import torch
 
 from ..selection import row_starts
 from . import reference
-from ._common import check_append_inputs, check_append_kv_inputs
+from ._common import check_append_inputs, check_append_kv_inputs, check_decode_linear_inputs
 
 __all__ = [
-    "antidiagonal_block_scores", "append_kv", "backend_for", "block_summaries", "cumulative_threshold_select", "merge_lse",
-    "pooled_block_logits", "quantize_append", "recent_block_summaries", "reference", "select_blocks",
+    "antidiagonal_block_scores", "append_kv", "backend_for", "block_summaries", "cumulative_threshold_select",
+    "decode_linear", "merge_lse", "pooled_block_logits", "quantize_append", "recent_block_summaries", "reference", "select_blocks",
     "sparse_attention",
 ]
 
@@ -31,6 +31,7 @@ if _TRITON_AVAILABLE:
         from . import append_kv as _append_kv_op
         from . import block_logits as _block_logits_op
         from . import block_summaries as _summaries_op
+        from . import decode_linear as _decode_linear_op
         from . import merge_lse as _merge_op
         from . import quantize_append as _append_op
         from . import select_blocks as _select_op
@@ -40,7 +41,7 @@ if _TRITON_AVAILABLE:
         from . import xattn_scores as _xattn_op
 
         _TRITON_OPS = (_summaries_op, _select_op, _prefill_op, _decode_op, _merge_op, _xattn_op, _threshold_op,
-                       _append_op, _block_logits_op, _append_kv_op)
+                       _append_op, _block_logits_op, _append_kv_op, _decode_linear_op)
     except Exception as error:  # noqa: BLE001 - any failure to import means "use the reference"
         logging.getLogger(__name__).warning("hf_sparse Triton kernels unavailable (%s); using the PyTorch reference", error)
 
@@ -200,6 +201,16 @@ def append_kv(key_states, value_states, key_storage, value_storage, length, star
     if backend_for(key_states) == "triton":
         return _TRITON_OPS[9].append_kv(*args)
     return reference.append_kv(*args)
+
+
+def decode_linear(x, weights, biases, norm_weight=None, eps=0.0, residual=None, gated=False):
+    """See :func:`reference.decode_linear` (a decode step's linear layers of one input, with the norm before and
+    the gated product or residual add after; one launch on Triton)."""
+    weights, biases = tuple(weights), tuple(biases)
+    check_decode_linear_inputs(x, weights, biases, norm_weight, residual, gated)
+    if backend_for(x) == "triton":
+        return _TRITON_OPS[10].decode_linear(x, weights, biases, norm_weight, eps, residual, gated)
+    return reference.decode_linear(x, weights, biases, norm_weight, eps, residual, gated)
 
 
 def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):

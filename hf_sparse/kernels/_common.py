@@ -317,3 +317,44 @@ def attention_outputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if tuple(out.shape) != out_shape or tuple(lse.shape) != lse_shape:
         raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match the query")
     return out, lse, inv_log_base, skip_flags, key_scale, value_scale, slopes
+
+
+#: Input rows a decode_linear call takes (batch x step tokens of a decode step): the kernel holds them in one tile.
+DECODE_LINEAR_MAX_ROWS = 64
+
+
+def check_decode_linear_inputs(x: torch.Tensor, weights: tuple, biases: tuple, norm_weight: torch.Tensor | None,
+                               residual: torch.Tensor | None, gated: bool) -> None:
+    """Raise a clear error for a ``decode_linear`` call the ops do not take."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.stride(-1) != 1:
+        raise ValueError(f"decode_linear takes a float [M, K] input with unit stride along K, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    rows, k = x.shape
+    if not 1 <= rows <= DECODE_LINEAR_MAX_ROWS:
+        raise ValueError(f"decode_linear takes 1 to {DECODE_LINEAR_MAX_ROWS} input rows, got {rows}")
+    if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
+        raise ValueError(f"decode_linear takes 1 to 3 weights and one bias (or None) per weight, got "
+                         f"{len(weights)} weights and {len(biases)} biases")
+    for i, weight in enumerate(weights):
+        if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"weight {i} must be a contiguous [N, {k}] matrix, got {tuple(weight.shape)}")
+    if len({bias is None for bias in biases}) > 1:
+        raise ValueError("decode_linear takes a bias for every weight or for none")
+    for i, bias in enumerate(biases):
+        if bias is not None and (bias.shape != (weights[i].shape[0],) or not bias.is_contiguous()):
+            raise ValueError(f"bias {i} must be a contiguous [{weights[i].shape[0]}] vector, got {tuple(bias.shape)}")
+    if norm_weight is not None and (norm_weight.shape != (k,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous [{k}] vector, got {tuple(norm_weight.shape)}")
+    if gated and (len(weights) != 2 or weights[0].shape != weights[1].shape):
+        raise ValueError(f"a gated product takes two weights of one shape, got "
+                         f"{[tuple(weight.shape) for weight in weights]}")
+    outputs = weights[0].shape[0] if gated else sum(weight.shape[0] for weight in weights)
+    if residual is not None and (residual.shape != (rows, outputs) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{rows}, {outputs}] with unit stride along its last dim, got "
+                         f"{tuple(residual.shape)}")
+    tensors = [x, *weights, *(bias for bias in biases if bias is not None), norm_weight, residual]
+    tensors = [tensor for tensor in tensors if tensor is not None]
+    if any(tensor.dtype != x.dtype for tensor in tensors):
+        raise TypeError(f"decode_linear takes one dtype for every tensor, got {sorted({str(t.dtype) for t in tensors})}")
+    if any(tensor.device != x.device for tensor in tensors):
+        raise ValueError("decode_linear's tensors must be on one device")

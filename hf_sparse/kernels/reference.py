@@ -400,6 +400,23 @@ def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage:
         counts.copy_(valid_blocks(length, starts, block_size))
 
 
+def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """The linear layers of a decode step that read one input ``x`` ``[M, K]``, as transformers' eager modules
+    compute them: ``x`` first through an RMSNorm with ``norm_weight`` (``[K]``; normalised in float32, rounded,
+    times the weight) when given; then each of ``weights`` (``[N_i, K]``, with ``biases``) applied, the products
+    side by side ``[M, sum N_i]``; or, ``gated``, ``silu(gate) * up`` of the two weights (``[M, N]``); then
+    ``residual`` (``[M, N]``) added when given."""
+    if norm_weight is not None:
+        normalised = x.float()
+        normalised = normalised * torch.rsqrt(normalised.pow(2).mean(-1, keepdim=True) + eps)
+        x = norm_weight * normalised.to(x.dtype)
+    products = [torch.nn.functional.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
+    out = torch.nn.functional.silu(products[0]) * products[1] if gated else torch.cat(products, dim=-1)
+    return out if residual is None else residual + out
+
+
 def valid_blocks(length: torch.Tensor | int, starts: torch.Tensor, block_size: int) -> torch.Tensor:
     """Each row's number of key blocks holding valid slots, ``ceil((length - starts[b]) / block_size)`` (``[B]``,
     int64; ``length`` an int or a one-element tensor)."""
