@@ -162,6 +162,13 @@ class PLASConfig(_MethodConfig):
         decode_compile: the CUDA-graph decode step holds the model's norms and dense MLPs compiled by
             ``torch.compile`` (fused: fewer, larger kernels per layer; :mod:`hf_sparse.fusion`), compiled once per
             process at the first decode step; ``False`` captures them as transformers runs them.
+        decode_fused_layers: with ``decode_compile``, the captured step runs Llama-style decoder layers (Llama,
+            Mistral, Qwen2) through :func:`hf_sparse.fusion.fused_layer_forward`: four launches of
+            :func:`hf_sparse.kernels.decode_linear` for the layer's norms, weight products, rotary embedding,
+            activation and residual adds (16 launches per layer otherwise; the 32K decode step of SmolLM2 1.7 ->
+            1.6 ms on the H100). They round where transformers' ops round, but sum the products in another order
+            than cuBLAS: a greedy continuation can leave sdpa's at a near-tie (docs/benchmarks.md); ``False``
+            keeps transformers' own layers (compiled norms and MLPs) in the step.
     """
 
     block_size: int = 128
@@ -179,6 +186,7 @@ class PLASConfig(_MethodConfig):
     density_memory: bool = True
     decode_cuda_graph: bool = True
     decode_compile: bool = True
+    decode_fused_layers: bool = True
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -198,7 +206,7 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
-        _check_flags(self, "decode_cuda_graph", "decode_compile", "density_memory")
+        _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -302,6 +310,7 @@ class XAttnConfig(_MethodConfig):
         density_memory: as :class:`PLASConfig`'s.
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
         decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
+        decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
     """
 
     block_size: int = 128
@@ -325,6 +334,7 @@ class XAttnConfig(_MethodConfig):
     density_memory: bool = True
     decode_cuda_graph: bool = True
     decode_compile: bool = True
+    decode_fused_layers: bool = True
     method: str = field(default="xattn", init=False)
 
     #: Default decode ``dense_below``, in blocks (see the field's description).
@@ -357,7 +367,8 @@ class XAttnConfig(_MethodConfig):
                 or not 0.0 <= self.vote_ratio < 1.0:
             raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
         self.vote_ratio = float(self.vote_ratio)
-        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "decode_compile", "density_memory")
+        _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "decode_compile", "decode_fused_layers",
+                     "density_memory")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:
@@ -414,6 +425,7 @@ class StarConfig(_MethodConfig):
             replays each decode step (global attention: every block, through the decode kernel, lengths read on
             the device) from a captured CUDA graph; ``False`` decodes eagerly (sdpa over the cache).
         decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
+        decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
     """
 
     block_size: int = 4096
@@ -426,6 +438,7 @@ class StarConfig(_MethodConfig):
     logn_base: int | None = None
     decode_cuda_graph: bool = True
     decode_compile: bool = True
+    decode_fused_layers: bool = True
     method: str = field(default="star", init=False)
 
     def __post_init__(self) -> None:
@@ -445,7 +458,7 @@ class StarConfig(_MethodConfig):
         self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
         _check_logn(self)
         _check_dense_above_density(self)
-        _check_flags(self, "decode_cuda_graph", "decode_compile")
+        _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers")
 
     @property
     def kernel_block_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Fused norms and MLPs inside captured decode steps (``decode_compile``).
+"""Fused layers, norms and MLPs inside captured decode steps (``decode_compile``, ``decode_fused_layers``).
 
 A CUDA-graph decode step of a small model is a sequence of ~45 kernels per layer, most of them elementwise: an
 RMSNorm alone is eight launches in eager PyTorch. Replaying the graph removes the host's launch cost but not the
@@ -13,9 +13,9 @@ decode stay as transformers wrote them).
 
 Llama-style decoder layers (:func:`fusable_layer`: Llama, Mistral, Qwen2 layers of plain linear layers, RMSNorms and
 a SiLU-gated MLP) go further: their forward is swapped whole for :func:`fused_layer_forward`, whose weight
-products run as four :func:`hf_sparse.kernels.decode_linear` launches (the norm and the query, key and value
-products; the output product and the residual add; the norm and the gated up product; the down product and the
-residual add) around the rotary embedding, the cache write and the attention function, which it calls as the
+products run as four :func:`hf_sparse.kernels.decode_linear` launches (the norm, the query, key and value
+products and the rotary embedding; the output product and the residual add; the norm and the gated up product;
+the down product and the residual add) around the cache write and the attention function, which it calls as the
 layer's attention module does. Nothing is copied: the kernels read the modules' own weights.
 
 A class or function whose compilation or compiled call fails runs eagerly from then on (logged once): these are
@@ -139,13 +139,18 @@ def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *ar
     x = hidden_states.reshape(rows, hidden)
     norm = layer.input_layernorm
     projections = [getattr(attention, name) for name in _PROJECTIONS[:3]]
-    qkv = kernels.decode_linear(x, [p.weight for p in projections], [p.bias for p in projections],
-                                norm_weight=norm.weight, eps=norm.variance_epsilon)
     head_dim = attention.head_dim
     sizes = [p.weight.shape[0] for p in projections]
-    query, key, value = (part.view(batch, steps, -1, head_dim).transpose(1, 2) for part in qkv.split(sizes, dim=-1))
     cos, sin = position_embeddings
-    query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
+    # The rotary embedding in the same launch where its tables are the plain [B or 1, S, head_dim] ones
+    rotary = (cos, sin) if (cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1:] == (steps, head_dim)
+                            and cos.shape[0] in (1, batch) and cos.dtype == sin.dtype == x.dtype
+                            and cos.stride(-1) == sin.stride(-1) == 1) else None
+    qkv = kernels.decode_linear(x, [p.weight for p in projections], [p.bias for p in projections],
+                                norm_weight=norm.weight, eps=norm.variance_epsilon, rotary=rotary)
+    query, key, value = (part.view(batch, steps, -1, head_dim).transpose(1, 2) for part in qkv.split(sizes, dim=-1))
+    if rotary is None:
+        query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attention.layer_idx)
     function = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
     output, _ = function(attention, query, key, value, kwargs.get("attention_mask"), dropout=0.0,
@@ -162,9 +167,10 @@ def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *ar
 
 
 @contextlib.contextmanager
-def fused_modules(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Within the block, ``model``'s Llama-style decoder layers run :func:`fused_layer_forward`, its other norms and
-    dense MLPs compiled forwards (:func:`fusable`), and its modeling module's rotary embedding a compiled function;
+def fused_modules(model: torch.nn.Module, enabled: bool = True, layers: bool = True) -> Iterator[int]:
+    """Within the block, ``model``'s Llama-style decoder layers run :func:`fused_layer_forward` (unless ``layers`` is
+    False), its other norms and dense MLPs compiled forwards (:func:`fusable`), and its modeling module's rotary
+    embedding a compiled function;
     yields how many modules and functions were swapped. Modules whose ``forward`` is already an instance attribute
     (another library's hook) are left alone."""
     swapped, functions = [], []
@@ -173,7 +179,7 @@ def fused_modules(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]
             for module in model.modules():
                 if "forward" in module.__dict__:
                     continue
-                if fusable_layer(module):
+                if layers and fusable_layer(module):
                     module.__dict__["forward"] = functools.partial(fused_layer_forward, module)
                     swapped.append(module)
                 elif fusable(module) and _compiled_forward(type(module)) is not None:

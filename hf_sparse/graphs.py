@@ -211,12 +211,14 @@ class DecodeGraphs:
         return call
 
     def _fused(self) -> Any:
-        """The model's norms and MLPs compiled while a step warms up or is captured, if its config asks
-        (``decode_compile``; :mod:`hf_sparse.fusion`)."""
+        """The model's layers fused, or its norms and MLPs compiled, while a step warms up or is captured, as its
+        config asks (``decode_compile``, ``decode_fused_layers``; :mod:`hf_sparse.fusion`)."""
         model = self._model()
         implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
-        enabled = implementation in GRAPH_METHODS and method_config(model.config, implementation).decode_compile
-        return fused_modules(model, enabled=enabled) if model is not None else contextlib.nullcontext()
+        if model is None or implementation not in GRAPH_METHODS:
+            return contextlib.nullcontext()
+        config = method_config(model.config, implementation)
+        return fused_modules(model, enabled=config.decode_compile, layers=config.decode_fused_layers)
 
     def _on_capture_stream(self, kwargs: dict[str, Any]) -> Any:
         """An eager step on the capture stream: what capture needs then exists (compiled kernels, buffers)."""

@@ -53,6 +53,8 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
         assert ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb") in fusion._COMPILED
         with fusion.fused_modules(model, enabled=False) as swapped:
             assert swapped == 0
+        with fusion.fused_modules(model, layers=False) as swapped:  # decode_fused_layers=False
+            assert swapped == 7 + 1 and not any("forward" in layer.__dict__ for layer in model.model.layers)
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
 
 

@@ -739,14 +739,19 @@ def test_append_kv_errors():
     (1, 64, (48, 16, 16), False, True, False, False), (3, 96, (40,), False, False, True, True),
     (5, 64, (24, 24), True, True, False, False), (17, 80, (33, 7, 9), False, True, False, True),
     (8, 48, (20, 20), True, False, False, True), (64, 32, (16,), False, True, True, False),
+    # with the rotary embedding: decode at batch 1; batch 2 x 3 steps with per-row tables; batch 3, shared table
+    (1, 64, (48, 16, 16), False, True, False, False, (1, 1, 16, 1), "rotary"),
+    (6, 40, (64, 32, 32), False, True, False, True, (2, 3, 32, 2), "rotary"),
+    (3, 48, (32, 16, 16), False, False, False, False, (3, 1, 16, 1), "rotary"),
 ])
 def test_decode_linear(size, dtype_name, case):
     """The fused products equal the reference (transformers' eager ops) up to the summation order: rows padded to
     a tile, columns of several weights side by side, the norm's statistics, bias, gated product, residual add."""
     dtype = DTYPES[dtype_name]
-    rows, k, sizes, gated, norm, residual, bias = case
+    rows, k, sizes, gated, norm, residual, bias = case[:7]
     if size == "large":
-        k, sizes = k * 12, tuple(n * 12 for n in sizes)  # SmolLM2's widths: 576 in, 1536 up
+        k = k * 12  # SmolLM2's widths: 576 in, 1536 up (whole heads kept where the products rotate)
+        sizes = tuple(n * 12 for n in sizes) if case[-1] != "rotary" else tuple(n * 4 for n in sizes)
     gen = torch.Generator().manual_seed(seed("decode_linear", size, dtype_name, case))
     x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(DEVICE) for n in sizes]
@@ -754,14 +759,19 @@ def test_decode_linear(size, dtype_name, case):
     norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE) if norm else None
     outputs = sizes[0] if gated else sum(sizes)
     res = torch.randn(rows, outputs, generator=gen).to(dtype).to(DEVICE) if residual else None
-    expected = ref.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated)
-    got = OPS["decode_linear"].decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated)
+    rotary = None
+    if case[-1] == "rotary":  # (B, S, head_dim, B of the tables): queries and keys in whole heads
+        batch, steps, head_dim, table_batch = case[-2]
+        angles = torch.randn(table_batch, steps, head_dim // 2, generator=gen)
+        rotary = tuple(torch.cat([f(angles)] * 2, dim=-1).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    expected = ref.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated, rotary)
+    got = OPS["decode_linear"].decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated, rotary)
     assert got.shape == expected.shape == (rows, outputs) and got.dtype == dtype
     # Triton's CPU interpreter rounds float32 to bfloat16 toward zero (the GPU to nearest; checked on triton 3.9),
     # a bias that the norm, product, activation and gated product's roundings add up: a wider bound there.
     tolerance = 4e-2 if INTERPRETED and dtype == torch.bfloat16 else REL_TOL[dtype]
     assert rel_err(got, expected) <= tolerance
-    torch.testing.assert_close(got, kernels.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated))
+    torch.testing.assert_close(got, kernels.decode_linear(x, weights, biases, norm_weight, 1e-6, res, gated, rotary))
 
 
 def test_decode_linear_errors():
@@ -785,6 +795,13 @@ def test_decode_linear_errors():
         kernels.decode_linear(x, [w], [None], norm_weight=torch.ones(15))
     with pytest.raises(TypeError, match="one dtype"):
         kernels.decode_linear(x, [w.half()], [None])
+    table = torch.ones(1, 2, 4)
+    with pytest.raises(ValueError, match="first two products"):
+        kernels.decode_linear(x, [w], [None], rotary=(table, table))
+    with pytest.raises(ValueError, match="whole heads of 4"):
+        kernels.decode_linear(x, [w, torch.randn(6, 16)], [None, None], rotary=(table, table))
+    with pytest.raises(ValueError, match="rotary takes"):
+        kernels.decode_linear(x, [w, w], [None, None], rotary=(torch.ones(1, 3, 4), torch.ones(1, 3, 4)))
 
 
 def test_quantize_append_errors():

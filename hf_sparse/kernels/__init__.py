@@ -203,14 +203,14 @@ def append_kv(key_states, value_states, key_storage, value_storage, length, star
     return reference.append_kv(*args)
 
 
-def decode_linear(x, weights, biases, norm_weight=None, eps=0.0, residual=None, gated=False):
+def decode_linear(x, weights, biases, norm_weight=None, eps=0.0, residual=None, gated=False, rotary=None):
     """See :func:`reference.decode_linear` (a decode step's linear layers of one input, with the norm before and
-    the gated product or residual add after; one launch on Triton)."""
+    the rotary embedding, gated product or residual add after; one launch on Triton)."""
     weights, biases = tuple(weights), tuple(biases)
-    check_decode_linear_inputs(x, weights, biases, norm_weight, residual, gated)
+    check_decode_linear_inputs(x, weights, biases, norm_weight, residual, gated, rotary)
     if backend_for(x) == "triton":
-        return _TRITON_OPS[10].decode_linear(x, weights, biases, norm_weight, eps, residual, gated)
-    return reference.decode_linear(x, weights, biases, norm_weight, eps, residual, gated)
+        return _TRITON_OPS[10].decode_linear(x, weights, biases, norm_weight, eps, residual, gated, rotary)
+    return reference.decode_linear(x, weights, biases, norm_weight, eps, residual, gated, rotary)
 
 
 def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):

@@ -324,7 +324,7 @@ DECODE_LINEAR_MAX_ROWS = 64
 
 
 def check_decode_linear_inputs(x: torch.Tensor, weights: tuple, biases: tuple, norm_weight: torch.Tensor | None,
-                               residual: torch.Tensor | None, gated: bool) -> None:
+                               residual: torch.Tensor | None, gated: bool, rotary: tuple | None = None) -> None:
     """Raise a clear error for a ``decode_linear`` call the ops do not take."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.stride(-1) != 1:
         raise ValueError(f"decode_linear takes a float [M, K] input with unit stride along K, got "
@@ -352,7 +352,20 @@ def check_decode_linear_inputs(x: torch.Tensor, weights: tuple, biases: tuple, n
     if residual is not None and (residual.shape != (rows, outputs) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{rows}, {outputs}] with unit stride along its last dim, got "
                          f"{tuple(residual.shape)}")
-    tensors = [x, *weights, *(bias for bias in biases if bias is not None), norm_weight, residual]
+    if rotary is not None:
+        cos, sin = rotary
+        steps = cos.shape[1] if cos.dim() == 3 else 0
+        if (cos.dim() != 3 or cos.shape != sin.shape or steps == 0 or rows % steps
+                or cos.shape[0] not in (1, rows // steps) or cos.shape[-1] % 2
+                or cos.stride(-1) != 1 or sin.stride(-1) != 1):
+            raise ValueError(f"rotary takes (cos, sin) of one [B or 1, S, D] shape for the {rows} rows (B * S), "
+                             f"D even, unit stride along D; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        if gated or len(weights) < 2 or any(weight.shape[0] % cos.shape[-1] for weight in weights[:2]):
+            raise ValueError(f"rotary applies to the first two products (queries, keys) in whole heads of "
+                             f"{cos.shape[-1]} columns; got {[tuple(weight.shape) for weight in weights]}"
+                             f"{' with gated=True' if gated else ''}")
+    tensors = [x, *weights, *(bias for bias in biases if bias is not None), norm_weight, residual,
+               *(rotary if rotary is not None else ())]
     tensors = [tensor for tensor in tensors if tensor is not None]
     if any(tensor.dtype != x.dtype for tensor in tensors):
         raise TypeError(f"decode_linear takes one dtype for every tensor, got {sorted({str(t.dtype) for t in tensors})}")

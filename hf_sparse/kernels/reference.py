@@ -402,17 +402,27 @@ def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage:
 
 def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                  gated: bool = False) -> torch.Tensor:
+                  gated: bool = False, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The linear layers of a decode step that read one input ``x`` ``[M, K]``, as transformers' eager modules
     compute them: ``x`` first through an RMSNorm with ``norm_weight`` (``[K]``; normalised in float32, rounded,
     times the weight) when given; then each of ``weights`` (``[N_i, K]``, with ``biases``) applied, the products
     side by side ``[M, sum N_i]``; or, ``gated``, ``silu(gate) * up`` of the two weights (``[M, N]``); then
-    ``residual`` (``[M, N]``) added when given."""
+    ``residual`` (``[M, N]``) added when given. ``rotary``: ``(cos, sin)`` of a rotary embedding, ``[B or 1, S,
+    D]`` for the ``M = B * S`` rows, applied to the first two products (queries and keys) per head of ``D``
+    columns as transformers' ``apply_rotary_pos_emb`` does (``x * cos + rotate_half(x) * sin``)."""
     if norm_weight is not None:
         normalised = x.float()
         normalised = normalised * torch.rsqrt(normalised.pow(2).mean(-1, keepdim=True) + eps)
         x = norm_weight * normalised.to(x.dtype)
     products = [torch.nn.functional.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
+    if rotary is not None:
+        cos, sin = rotary
+        head_dim = cos.shape[-1]
+        cos, sin = (t.expand(x.shape[0] // t.shape[1], -1, -1).reshape(x.shape[0], 1, head_dim) for t in (cos, sin))
+        for i in (0, 1):
+            heads = products[i].view(x.shape[0], -1, head_dim)
+            rotated = torch.cat((-heads[..., head_dim // 2:], heads[..., :head_dim // 2]), dim=-1)
+            products[i] = ((heads * cos) + (rotated * sin)).view(x.shape[0], -1)
     out = torch.nn.functional.silu(products[0]) * products[1] if gated else torch.cat(products, dim=-1)
     return out if residual is None else residual + out
 
