@@ -170,8 +170,8 @@ def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: 
     columns += [(f"TPOT@{n} ms", lambda r, n=n: cell(r["tpot_ms"].get(n), ".2f")) for n in tpot_tokens]
     if len(tpot_tokens) > 1:
         columns.append((f"TPOT@{smallest} / @{largest}",
-                        lambda r: cell(r["tpot_ms"][smallest] / r["tpot_ms"][largest] if r["tpot_ms"] else None,
-                                       ".2f")))
+                        lambda r: cell(r["tpot_ms"][smallest] / r["tpot_ms"][largest]
+                                       if smallest in r["tpot_ms"] and largest in r["tpot_ms"] else None, ".2f")))
     columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
                 ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens
                                                        if n in r["captures_per_call"]) or "-"),
@@ -195,11 +195,10 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    largest = max(tpot_tokens)
     lengths = sorted({row["length"] for row in rows})
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     panels = ((axes[0], "ttft_vs_sdpa", "sdpa", "TTFT speed-up vs sdpa"),
-              (axes[1], "tpot_vs_sdpa_static", "sdpa-static", f"TPOT speed-up vs sdpa-static ({largest} new tokens)"))
+              (axes[1], "tpot_vs_sdpa_static", "sdpa-static", "TPOT speed-up vs sdpa-static"))
     colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(row["method"] for row in rows))}
     for ax, key, baseline, label in panels:
         for method, color in colors.items():
@@ -225,7 +224,8 @@ def replot(args: argparse.Namespace) -> None:
     """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together. A (length,
     method) row in several files is merged: its TTFT from the last file that has it (e.g. a run of more
     interleaved rounds after a full run), every other field from the first; ratios are recomputed per length, a
-    TTFT ratio only between rows whose TTFT comes from the same file."""
+    TTFT ratio only between rows whose TTFT comes from the same file; TPOT ratios at each length's largest number of
+    new tokens (files may have measured different ones)."""
     import json
 
     runs = [json.load(open(path)) for path in args.replot]
@@ -243,9 +243,10 @@ def replot(args: argparse.Namespace) -> None:
             for key in ("tpot_ms", "captures_per_call", "replays_per_call", "tokens"):
                 kept.setdefault(key, {} if key != "tokens" else [])
     rows = sorted(merged.values(), key=lambda row: row["length"])
-    tpot_tokens = max((sorted(row["tpot_ms"]) for row in rows), key=len)
-    for length in dict.fromkeys(row["length"] for row in rows):
-        add_ratios([row for row in rows if row["length"] == length], tpot_tokens)
+    tpot_tokens = sorted(set().union(*(row["tpot_ms"] for row in rows)))
+    for length in dict.fromkeys(row["length"] for row in rows):  # TPOT ratios at each length's largest N
+        group = [row for row in rows if row["length"] == length]
+        add_ratios(group, sorted(set().union(*(row["tpot_ms"] for row in group))))
     for row in rows:  # a TTFT ratio holds only between the calls of one run
         if ttft_source[(row["length"], row["method"])] != ttft_source.get((row["length"], "sdpa")):
             row["ttft_vs_sdpa"] = None
