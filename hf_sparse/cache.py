@@ -400,7 +400,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.summary_storage = fn(self.summary_storage)
         if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
             self.row_layout = self._kept_layout = RowLayout.read(fn(self.row_layout.starts))
-            self._kept_source = None
+        self._kept_source = None  # the kept layout no longer is the one a caller passed
         self.version += 1
         self._views()
 

@@ -95,8 +95,9 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def fusable_layer(layer: torch.nn.Module) -> bool:
     """Whether ``layer``'s decode steps may run :func:`fused_layer_forward`: one of the known Llama-style classes,
-    made of plain ``nn.Linear`` projections (a bias on all of q / k / v or none), RMSNorms and a SiLU gate, all
-    in one dtype, with no hooks (another library's offloading or quantisation) and no query / key norms."""
+    made of plain ``nn.Linear`` projections (a bias on all of q / k / v or none, on gate and up or neither) of plain
+    tensors, RMSNorms and a SiLU gate, all in one dtype on one device, with no hooks (another library's offloading
+    or quantisation), no query / key norms and no sliding window."""
     if type(layer).__name__ not in _FUSED_LAYER_CLASSES or type(layer).forward.__annotations__.get("return") not in (
             "torch.Tensor", torch.Tensor):
         return False
@@ -110,10 +111,18 @@ def fusable_layer(layer: torch.nn.Module) -> bool:
     if any(not type(norm).__name__.endswith("RMSNorm") or not isinstance(getattr(norm, "variance_epsilon", None), float)
            or getattr(norm, "weight", None) is None for norm in norms):
         return False
-    if len({linear.bias is None for linear in linears[:3]}) != 1:
+    if len({linear.bias is None for linear in linears[:3]}) != 1 or len({linear.bias is None for linear in linears[4:6]}) != 1:
         return False
-    tensors = [linear.weight for linear in linears] + [norm.weight for norm in norms]
-    if len({tensor.dtype for tensor in tensors}) != 1 or not all(tensor.is_contiguous() for tensor in tensors):
+    # A sliding window the attention module passes (Qwen2's per layer, Mistral's from its config) is not computed here
+    window = (getattr(attention, "sliding_window", None) if hasattr(attention, "sliding_window")
+              else getattr(getattr(attention, "config", None), "sliding_window", None))
+    if window is not None:
+        return False
+    tensors = [linear.weight for linear in linears] + [norm.weight for norm in norms] + \
+        [linear.bias for linear in linears if linear.bias is not None]
+    if (len({tensor.dtype for tensor in tensors}) != 1 or len({tensor.device for tensor in tensors}) != 1
+            or not all(type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
+                       and tensor.device.type != "meta" for tensor in tensors)):
         return False
     return not any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules())
 

@@ -114,9 +114,18 @@ def test_unusual_layers_are_not_fused():
     layer.self_attn.q_norm = torch.nn.Identity()
     assert not fusion.fusable_layer(layer)
     del layer.self_attn.q_norm
+    layer.self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(layer.self_attn.q_proj.out_features))
+    assert not fusion.fusable_layer(layer)  # a bias on q only
+    layer.self_attn.q_proj.bias = None
+    assert fusion.fusable_layer(layer)
     layer.self_attn.k_proj = torch.nn.Sequential(layer.self_attn.k_proj)
     assert not fusion.fusable_layer(layer)
     assert not fusion.fusable_layer(model.model.norm)
+    mistral = build(tiny_config("mistral", layers=1), "plas")
+    assert fusion.fusable_layer(mistral.model.layers[0])
+    windowed = tiny_config("mistral", layers=1)
+    windowed.sliding_window = 64
+    assert not fusion.fusable_layer(build(windowed, "plas").model.layers[0])  # its window passed to attention
 
 
 def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):

@@ -795,6 +795,10 @@ def test_decode_linear_errors():
         kernels.decode_linear(x, [w], [None], norm_weight=torch.ones(15))
     with pytest.raises(TypeError, match="one dtype"):
         kernels.decode_linear(x, [w.half()], [None])
+    with pytest.raises(ValueError, match="one product"):
+        kernels.decode_linear(x, [w, w], [None, None], residual=torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="float16 / bfloat16 / float32"):
+        kernels.decode_linear(x.double(), [w.double()], [None])
     table = torch.ones(1, 2, 4)
     with pytest.raises(ValueError, match="first two products"):
         kernels.decode_linear(x, [w], [None], rotary=(table, table))

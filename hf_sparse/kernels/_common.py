@@ -326,9 +326,9 @@ DECODE_LINEAR_MAX_ROWS = 64
 def check_decode_linear_inputs(x: torch.Tensor, weights: tuple, biases: tuple, norm_weight: torch.Tensor | None,
                                residual: torch.Tensor | None, gated: bool, rotary: tuple | None = None) -> None:
     """Raise a clear error for a ``decode_linear`` call the ops do not take."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.stride(-1) != 1:
-        raise ValueError(f"decode_linear takes a float [M, K] input with unit stride along K, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"decode_linear takes a float16 / bfloat16 / float32 [M, K] input with unit stride along K, "
+                         f"got {(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
     rows, k = x.shape
     if not 1 <= rows <= DECODE_LINEAR_MAX_ROWS:
         raise ValueError(f"decode_linear takes 1 to {DECODE_LINEAR_MAX_ROWS} input rows, got {rows}")
@@ -349,6 +349,8 @@ def check_decode_linear_inputs(x: torch.Tensor, weights: tuple, biases: tuple, n
         raise ValueError(f"a gated product takes two weights of one shape, got "
                          f"{[tuple(weight.shape) for weight in weights]}")
     outputs = weights[0].shape[0] if gated else sum(weight.shape[0] for weight in weights)
+    if residual is not None and len(weights) > 1 and not gated:
+        raise ValueError("a residual is added to one product (or a gated product), not to several side by side")
     if residual is not None and (residual.shape != (rows, outputs) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{rows}, {outputs}] with unit stride along its last dim, got "
                          f"{tuple(residual.shape)}")
