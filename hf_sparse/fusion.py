@@ -124,7 +124,15 @@ def fusable_layer(layer: torch.nn.Module) -> bool:
             or not all(type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
                        and tensor.device.type != "meta" for tensor in tensors)):
         return False
-    return not any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules())
+    return not any(_foreign_hook(hook) for module in layer.modules()
+                   for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()))
+
+
+def _foreign_hook(hook: Any) -> bool:
+    """Whether a module hook is another library's (offloading, quantisation, a user's probe), not transformers' own
+    output-capture hook, which it installs on every layer once a call asks for hidden states and which records
+    nothing while no such call runs (the fused forward still runs under the layer's hooks)."""
+    return "output_cap" not in getattr(hook, "__qualname__", "")
 
 
 def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

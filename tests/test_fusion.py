@@ -100,10 +100,13 @@ def test_fused_layer_forward_equals_the_layers_own(eager_backend, monkeypatch, a
 
 
 def test_unusual_layers_are_not_fused():
-    """Hooks, projections that are not plain linear layers, mixed dtypes, or query / key norms keep a layer's own
-    forward."""
+    """Hooks (but transformers' output capture), projections that are not plain linear layers, mixed dtypes, query /
+    key norms, a bias on q alone or a sliding window keep a layer's own forward."""
     model = build(tiny_config(layers=1), "plas")
     layer = model.model.layers[0]
+    assert fusion.fusable_layer(layer)
+    with torch.no_grad():  # transformers' own output-capture hooks (installed on every layer from now on) are fine
+        model(torch.randint(0, 128, (1, 8)), output_hidden_states=True)
     assert fusion.fusable_layer(layer)
     handle = layer.mlp.register_forward_hook(lambda *a: None)
     assert not fusion.fusable_layer(layer)
