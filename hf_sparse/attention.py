@@ -199,7 +199,7 @@ def sparse_attention_forward(
         # tokens is bound by the host's time per layer). Recording takes the path below, which names each
         # layer's reason.
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, q_heads, num_queries, head_dim = query.shape
+    batch, head_dim = query.shape[0], query.shape[-1]
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")

@@ -30,6 +30,7 @@ import sys
 from typing import Any, Iterator
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import kernels
 from .kernels._common import DECODE_LINEAR_MAX_ROWS
@@ -151,8 +152,6 @@ def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *ar
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     passed = {name: value for name, value in kwargs.items()
               if name not in ("attention_mask", "position_embeddings", "cache", "past_key_values")}
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     x = hidden_states.reshape(rows, hidden)
     norm = layer.input_layernorm
     projections = [getattr(attention, name) for name in _PROJECTIONS[:3]]
