@@ -345,6 +345,7 @@ def sparse_config(method: str):
     for option in options:
         if "=" in option:
             field, value = option.split("=", 1)
+            value = {"True": "true", "False": "false", "None": "null"}.get(value, value)  # Python's spellings too
             parsed = json.loads(value.replace(":", ",")) if value[:1] in "[0123456789.tfn" else value
             fields[field] = tuple(parsed) if isinstance(parsed, list) else parsed
         else:

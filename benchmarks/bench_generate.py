@@ -8,9 +8,10 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
   over a minute (a short prompt's prefill is bound by the host's launches), and interleaving lets that drift hit
   every method alike. Its ratio is a speed-up against "sdpa": the median over the rounds of sdpa's TTFT / this
   method's in the same round.
-* TPOT@N: (wall time of generate(max_new_tokens=N) - that method's TTFT in the same stretch) / (N - 1), for each N of --tpot-tokens. So it
-  includes each call's first decode step and whatever a call pays once (a CUDA-graph capture): TPOT@16 within a
-  few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
+* TPOT@N: median over pairs of (wall time of generate(max_new_tokens=N) - that of generate(max_new_tokens=1) run just
+  before it) / (N - 1), for each N of --tpot-tokens (N < 64 takes 64 / N times --repeats pairs: the noise of one
+  TTFT is a larger part of few tokens). So it includes each call's first decode step and whatever a call pays once
+  (a CUDA-graph capture): TPOT@16 within a few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
   largest N: transformers' cache_implementation="static", with which generate() compiles the decode step, the
   fastest dense decode a transformers user has.
 * captures / call: hf_sparse CUDA-graph captures per timed generate() call (hf_sparse.graphs.stats); 0 when a
@@ -22,7 +23,9 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
   layer ran dense.
 * --fidelity: next-token KL(sdpa || method) and top-1 agreement over the prompt's last 256 positions, and KL at
   the last one (hf_sparse.eval.fidelity).
-* "= sdpa": the leading new tokens (of the largest N) equal to sdpa's.
+* "tokens = sdpa('s)": the leading new tokens (of the largest N) equal to sdpa's, or, marked "(static)", to
+  sdpa-static's where sdpa ran for TTFT only (transformers' compiled step rounds otherwise than eager decode: its
+  greedy tokens can leave eager sdpa's).
 
 Methods (--methods): "sdpa" (dynamic cache, eager decode); "sdpa-static" (above); "plas", "xattn", "star" (their
 configs' defaults: decode steps replayed from a CUDA graph over a static SparseCache); "-eager" (decode_cuda_graph=False),
@@ -96,15 +99,16 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
     row["tpot_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}
     tokens = None
     for new_tokens in tpot_tokens:
-        seconds, captures, replays = [], [], []
-        for _ in range(repeats):
+        decode_s, captures, replays = [], [], []
+        for _ in range(repeats * max(1, 64 // new_tokens)):
+            first_s = timed_generate(model, ids, 1, **extra)[0]
             before = graph_counts(model)
             elapsed, tokens = timed_generate(model, ids, new_tokens, **extra)
             after = graph_counts(model)
-            seconds.append(elapsed)
+            decode_s.append(elapsed - first_s)
             captures.append(after[0] - before[0])
             replays.append(after[1] - before[1])
-        row["tpot_ms"][new_tokens] = (statistics.median(seconds) - row["ttft_s"]) / (new_tokens - 1) * 1e3
+        row["tpot_ms"][new_tokens] = statistics.median(decode_s) / (new_tokens - 1) * 1e3
         row["captures_per_call"][new_tokens] = statistics.mean(captures)
         row["replays_per_call"][new_tokens] = statistics.mean(replays)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -155,10 +159,13 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
         row["peak_vs_sdpa"] = row["peak_gib"] / sdpa["peak_gib"] if sdpa else None
         tpot, static_tpot = row["tpot_ms"].get(largest), static["tpot_ms"].get(largest) if static else None
         row["tpot_vs_sdpa_static"] = static_tpot / tpot if static_tpot and tpot else None
-        reference = sdpa["tokens"] if sdpa and sdpa["tokens"] else static["tokens"] if static else None
-        if reference:  # sdpa's tokens (sdpa-static's where sdpa was timed for TTFT only)
-            differs = [a != b for a, b in zip(row["tokens"], reference)] + [True]
+        # sdpa's tokens; sdpa-static's where sdpa was timed for TTFT only (its compiled step rounds otherwise:
+        # its greedy tokens may leave eager sdpa's), and the row says which
+        reference = sdpa if sdpa and sdpa["tokens"] else static if static and static["tokens"] else None
+        if reference is not None:
+            differs = [a != b for a, b in zip(row["tokens"], reference["tokens"])] + [True]
             row["same_tokens_as_sdpa"] = differs.index(True)
+            row["same_tokens_reference"] = reference["method"]
 
 
 def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: str, repeats: int) -> None:
@@ -181,7 +188,9 @@ def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: 
     if any("kl" in row for row in rows):
         columns += [("KL", lambda r: cell(r.get("kl"), ".4f")), ("KL last", lambda r: cell(r.get("kl_last"), ".4f")),
                     ("top-1", lambda r: cell(r.get("top1"), ".3f"))]
-    columns.append(("= sdpa", lambda r: f"{cell(r.get('same_tokens_as_sdpa'), 'd')} of {len(r['tokens'])}"))
+    columns.append(("tokens = sdpa('s)", lambda r: "-" if not r.get("tokens") or r["method"].startswith("sdpa")
+                    else f"{cell(r.get('same_tokens_as_sdpa'), 'd')} of {len(r['tokens'])}"
+                    + (" (static)" if r.get("same_tokens_reference") == "sdpa-static" else "")))
     print(table(columns, rows))
     for row in rows:
         if "graphs_disabled" in row:

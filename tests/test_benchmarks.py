@@ -1,0 +1,38 @@
+"""The benchmark scripts' helpers that shape what they report: method names and the token comparison."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _common import sparse_config  # noqa: E402
+from bench_generate import add_ratios  # noqa: E402
+
+
+@pytest.mark.parametrize("value", ["False", "false"])
+def test_sparse_config_reads_python_and_json_booleans(value):
+    config = sparse_config(f"plas-decode_fused_layers={value}")
+    assert config.decode_fused_layers is False
+    assert sparse_config("plas-decode_fused_layers=True").decode_fused_layers is True
+    assert sparse_config("plas-prefill_top_k=[40:48]").prefill_top_k == (40, 48)
+    assert sparse_config("xattn-threshold=0.8").threshold == 0.8
+    assert sparse_config("sdpa") is None
+
+
+def _row(method, tokens, tpot=None):
+    return {"method": method, "tokens": tokens, "ttft_s": 1.0, "peak_gib": 1.0, "tpot_ms": tpot or {}}
+
+
+def test_tokens_compared_with_eager_sdpa_when_it_decoded():
+    rows = [_row("sdpa", [1, 2, 3, 4]), _row("sdpa-static", [1, 2, 9, 9], {4: 2.0}), _row("plas", [1, 2, 3, 5], {4: 1.0})]
+    add_ratios(rows, [4])
+    plas = rows[2]
+    assert (plas["same_tokens_as_sdpa"], plas["same_tokens_reference"]) == (3, "sdpa")
+    assert plas["tpot_vs_sdpa_static"] == 2.0
+
+
+def test_tokens_compared_with_static_when_sdpa_timed_ttft_only():
+    rows = [_row("sdpa", []), _row("sdpa-static", [1, 2, 9, 9], {4: 2.0}), _row("plas", [1, 2, 3, 5], {4: 1.0})]
+    add_ratios(rows, [4])
+    assert (rows[2]["same_tokens_as_sdpa"], rows[2]["same_tokens_reference"]) == (2, "sdpa-static")
