@@ -50,18 +50,25 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
 
 
 @triton.jit
-def _soft_cap(scores, cap, MODE: tl.constexpr):
-    """``cap * tanh(scores / cap)`` (attention logit softcapping; ``MODE``: ``_common.SOFTCAP_EXACT`` or
-    ``SOFTCAP_FAST``). Exact: tanh written with ``exp`` so that it also runs in the interpreter, ``1 - 2 / (exp(2x)
-    + 1)``, exact at both ends (exp overflowing to inf gives 1, underflowing to 0 gives -1). Fast: the GPU's
-    ``tanh.approx.f32``. The base-2 scores of the kernels take the cap times log2(e) (``_common.softcap_sink_args``)."""
+def _tanh(x, MODE: tl.constexpr):
+    """``tanh(x)`` for attention logit softcapping (``MODE``: ``_common.SOFTCAP_EXACT`` or ``SOFTCAP_FAST``).
+    Exact: written with ``exp2`` so that it also runs in the interpreter, ``1 - 2 / (2^(2x log2 e) + 1)``, exact at
+    both ends (the power overflowing to inf gives 1, underflowing to 0 gives -1). Fast: the GPU's
+    ``tanh.approx.f32``."""
     if MODE == 2:
-        return cap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [scores * (1.0 / cap)],
-                                               dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
-        # exp2 of base-2 units, and a division without IEEE rounding (a few ulp): the precise division of fp32 `/`
-        # is a long instruction sequence per score, which made the capped kernel half again as slow.
-        return cap * (1.0 - tl.fdiv(2.0, tl.exp2(scores * (2.8853900817779268 / cap)) + 1.0, ieee_rounding=False))
+        # a division without IEEE rounding (a few ulp): the precise division of fp32 `/` is a long instruction
+        # sequence per score, which made the capped kernel half again as slow.
+        return 1.0 - tl.fdiv(2.0, tl.exp2(x * 2.8853900817779268) + 1.0, ieee_rounding=False)
+
+
+@triton.jit
+def _soft_cap(scores, cap, MODE: tl.constexpr):
+    """``cap * tanh(scores / cap)`` (attention logit softcapping, :func:`_tanh`). The base-2 scores of the kernels
+    take the cap times log2(e) (``_common.softcap_sink_args``)."""
+    return cap * _tanh(scores * (1.0 / cap), MODE)
 
 
 @triton.jit
@@ -98,6 +105,10 @@ def _attend_entries(
     row starts at a multiple of ``BLOCK_N`` (and ``V_BLOCK`` is one), so a tile's slots are contiguous.
     """
     kv_tile = kv_start // BLOCK_N  # V_ALIGNED: the row's first tile of BLOCK_N slots
+    if SOFTCAP:
+        # Capped scores are cap * tanh(score / cap): the score's scale and 1 / cap are one factor, and (without a
+        # bias between) the cap multiplies inside the softmax's max and exp2 argument (fewer operations per score).
+        scale_log2 = scale_log2 * (1.0 / softcap_log2)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -163,20 +174,25 @@ def _attend_entries(
                 scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
             if QUANT:
                 scores = scores * k_scale[None, :]
+            cap = 1.0  # what the scores are in units of: the cap while it is folded into the softmax below
             if SOFTCAP:
-                scores = _soft_cap(scores, softcap_log2, SOFTCAP)
+                scores = _tanh(scores, SOFTCAP)
+                if ALIBI:
+                    scores = scores * softcap_log2
+                else:
+                    cap = softcap_log2
             if ALIBI:
                 scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
             if MASKED:
                 visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
                 scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
                 m_use = m_new
             alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(scores - m_use[:, None])
+            p = tl.exp2(scores * cap - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if QUANT:
                 acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=PRECISION)
