@@ -11,7 +11,10 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
 * TPOT@N: median over pairs of (wall time of generate(max_new_tokens=N) - that of generate(max_new_tokens=1) run just
   before it) / (N - 1), for each N of --tpot-tokens (N < 64 takes 64 / N times --repeats pairs: the noise of one
   TTFT is a larger part of few tokens). So it includes each call's first decode step and whatever a call pays once
-  (a CUDA-graph capture): TPOT@16 within a few percent of TPOT@256 says a call pays little of that. Its ratio is a speed-up against "sdpa-static" at the
+  (a CUDA-graph capture): TPOT@16 within a few percent of TPOT@256 says a call pays little of that. "steps@16 /
+  @256" compares the same calls' decode steps on the GPU's timeline (CUDA events where each forward's logits reach
+  the token choice, from the prefill's to the last step's): a call's fixed cost after its prefill without the
+  noise of the TTFT that TPOT@N subtracts. Its ratio is a speed-up against "sdpa-static" at the
   largest N: transformers' cache_implementation="static", with which generate() compiles the decode step, the
   fastest dense decode a transformers user has.
 * captures / call: hf_sparse CUDA-graph captures per timed generate() call (hf_sparse.graphs.stats); 0 when a
@@ -58,6 +61,7 @@ import statistics
 import time
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
                      progress, require_cuda, save_figure, speedup, table, use_method, write_json)
@@ -69,11 +73,33 @@ METHODS = ["sdpa", "sdpa-static"] + [f"{name}{option}" for name in ("plas", "xat
 DEFAULT_LENGTHS = {"smollm2": [4096, 8192, 16384, 32768, 65536, 131072]}
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[float, torch.Tensor]:
-    """(seconds, the new token ids) of one greedy generate() of exactly ``new_tokens`` tokens."""
+class StepClock(LogitsProcessor):
+    """A CUDA event recorded where each forward's logits reach generate()'s token choice (no host wait): the
+    decode steps' time on the GPU's timeline, idle gaps included, apart from the prefill's."""
+
+    def __init__(self) -> None:
+        self.events: list[torch.cuda.Event] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+        return scores
+
+    def step_ms(self) -> float:
+        """Mean time from the prefill's logits to the last step's (after a synchronize)."""
+        return self.events[0].elapsed_time(self.events[-1]) / (len(self.events) - 1)
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None = None,
+                   **kwargs) -> tuple[float, torch.Tensor]:
+    """(seconds, the new token ids) of one greedy generate() of exactly ``new_tokens`` tokens; ``clock`` records
+    its steps."""
     # The caches of earlier calls can sit in reference cycles: free them first, or 128K runs run out of memory.
     # (The allocator keeps its cached blocks, as it does between a user's calls.)
     gc.collect()
+    if clock is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([clock])
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
@@ -96,19 +122,22 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
     torch.cuda.reset_peak_memory_stats()
     row = {"length": ids.shape[1], "method": method, "config": config.to_dict() if config is not None else None}
     row["ttft_s"] = statistics.median(timed_generate(model, ids, 1, **extra)[0] for _ in range(repeats))
-    row["tpot_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}
+    row["tpot_ms"], row["step_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}, {}
     tokens = None
     for new_tokens in tpot_tokens:
-        decode_s, captures, replays = [], [], []
+        decode_s, step_ms, captures, replays = [], [], [], []
         for _ in range(repeats * max(1, 64 // new_tokens)):
             first_s = timed_generate(model, ids, 1, **extra)[0]
             before = graph_counts(model)
-            elapsed, tokens = timed_generate(model, ids, new_tokens, **extra)
+            clock = StepClock()
+            elapsed, tokens = timed_generate(model, ids, new_tokens, clock=clock, **extra)
             after = graph_counts(model)
             decode_s.append(elapsed - first_s)
+            step_ms.append(clock.step_ms())
             captures.append(after[0] - before[0])
             replays.append(after[1] - before[1])
         row["tpot_ms"][new_tokens] = statistics.median(decode_s) / (new_tokens - 1) * 1e3
+        row["step_ms"][new_tokens] = statistics.median(step_ms)
         row["captures_per_call"][new_tokens] = statistics.mean(captures)
         row["replays_per_call"][new_tokens] = statistics.mean(replays)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -176,9 +205,11 @@ def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: 
                ("TTFT s", lambda r: f"{r['ttft_s']:.3f}"), ("vs sdpa", lambda r: speedup(r["ttft_vs_sdpa"]))]
     columns += [(f"TPOT@{n} ms", lambda r, n=n: cell(r["tpot_ms"].get(n), ".2f")) for n in tpot_tokens]
     if len(tpot_tokens) > 1:
-        columns.append((f"TPOT@{smallest} / @{largest}",
-                        lambda r: cell(r["tpot_ms"][smallest] / r["tpot_ms"][largest]
-                                       if smallest in r["tpot_ms"] and largest in r["tpot_ms"] else None, ".2f")))
+        for name, field in (("TPOT", "tpot_ms"), ("steps", "step_ms")):
+            columns.append((f"{name}@{smallest} / @{largest}",
+                            lambda r, f=field: cell(r[f][smallest] / r[f][largest]
+                                                    if smallest in r.get(f, {}) and largest in r.get(f, {}) else None,
+                                                    ".2f")))
     columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
                 ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens
                                                        if n in r["captures_per_call"]) or "-"),
@@ -242,14 +273,14 @@ def replot(args: argparse.Namespace) -> None:
     ttft_source: dict[tuple, int] = {}  # the file each row's TTFT comes from
     for index, run in enumerate(runs):
         for row in run["rows"]:
-            for key in ("tpot_ms", "captures_per_call", "replays_per_call"):  # JSON keys are strings
+            for key in ("tpot_ms", "step_ms", "captures_per_call", "replays_per_call"):  # JSON keys are strings
                 row[key] = {int(n): value for n, value in row.get(key, {}).items()}
             kept = merged.setdefault((row["length"], row["method"]), {})
             for key, value in row.items():
                 if value not in (None, {}, []) and (key in TTFT_FIELDS or kept.get(key) in (None, {}, [])):
                     kept[key] = value
             ttft_source[(row["length"], row["method"])] = index
-            for key in ("tpot_ms", "captures_per_call", "replays_per_call", "tokens"):
+            for key in ("tpot_ms", "step_ms", "captures_per_call", "replays_per_call", "tokens"):
                 kept.setdefault(key, {} if key != "tokens" else [])
     rows = sorted(merged.values(), key=lambda row: row["length"])
     tpot_tokens = sorted(set().union(*(row["tpot_ms"] for row in rows)))
