@@ -4,9 +4,11 @@ Its parts live beside it: the padding layout (``padding.py``), the dense path (`
 (``density.py``), recording (``recording.py``); the methods select blocks (``methods/``), the kernels attend."""
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -41,6 +43,48 @@ def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, r
     if getattr(cache_layer, "quantized", False):
         return kernels.block_summaries(key, gate, rows, block_size, key_scale=cache_layer.key_scales, dtype=dtype)
     return kernels.block_summaries(key, gate, rows, block_size)
+
+
+# -- rows nothing reads ---------------------------------------------------------------------------------------
+@dataclass
+class ReadRows:
+    """What a running forward's caller reads of its last decoder layer: the last ``rows`` positions (generate()'s
+    forwards keep those positions' logits only and, without hidden states or attentions asked for, read nothing else
+    of that layer: its keys and values, which the cache keeps, come from its input); ``sparse`` turns True once a
+    layer of the forward attends sparsely (its output then differs from sdpa's by more than rounding)."""
+
+    rows: int
+    sparse: bool = False
+
+
+#: The :class:`ReadRows` of the running forward, set around each generate() forward by ``integration``'s hook;
+#: None otherwise (every row is read).
+LAST_LAYER_ROWS: contextvars.ContextVar[ReadRows | None] = contextvars.ContextVar("hf_sparse_last_layer_rows",
+                                                                                  default=None)
+
+
+def read_rows(config: Any, module: torch.nn.Module, num_queries: int) -> int | None:
+    """How many trailing query rows of this call its caller reads, where that is fewer than the call has and
+    computing only those changes nothing but rounding that already differs from sdpa's: the last decoder layer of a
+    forward under :data:`LAST_LAYER_ROWS` in which an earlier layer attended sparsely, with the config's
+    ``trim_last_layer`` on. Else None (every row: a forward that ran dense throughout stays equal to sdpa's)."""
+    state = LAST_LAYER_ROWS.get()
+    if state is None or not state.sparse or state.rows >= num_queries or not getattr(config, "trim_last_layer", False):
+        return None
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None or layer_idx != config_value(module.config, "num_hidden_layers", -1) - 1:
+        return None
+    return state.rows
+
+
+def last_rows_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, rows: int, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`~hf_sparse.dense.dense_attention` of the last ``rows`` queries (over every key, causally), in an output
+    of every row whose other rows are zero: what a last layer returns when its caller reads those rows only."""
+    part, _ = dense_attention(module, query[:, :, -rows:], key, value, attention_mask, **kwargs)
+    out = part.new_zeros(part.shape[0], query.shape[2], *part.shape[2:])
+    out[:, -rows:] = part
+    return out, None
 
 
 # -- the attention function ----------------------------------------------------------------------------------
@@ -193,8 +237,9 @@ def sparse_attention_forward(
         # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
         cache_layer.set_padding(padding_layout(attention_mask, query.shape[0], key_length, query.device,
                                                validate=False))
+    rows_read = read_rows(config, module, num_queries)
     if not recording() and known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer,
-                                               kwargs):
+                                               kwargs) and rows_read is None:
         # The common prompt that runs dense in every layer, in the fewest host steps (a prompt of a few thousand
         # tokens is bound by the host's time per layer). Recording takes the path below, which names each
         # layer's reason.
@@ -241,6 +286,10 @@ def sparse_attention_forward(
                 record(LayerRecord(layer_idx, phase, reason))
         dense_query = query if logn_base is None else logn_scaled(query, attention_mask, key_length, logn_base)
         dense_key, dense_value = dequantized_kv(key, value, cache_layer, query.dtype) if quantized else (key, value)
+        if rows_read is not None and phase == "prefill":
+            # the last layer of a sparse prefill whose caller reads only its last rows (generate(): the next token)
+            return last_rows_dense(module, dense_query, dense_key, dense_value, attention_mask, rows_read,
+                                   dropout=dropout, scaling=scaling, **kwargs)
         return dense_attention(module, dense_query, dense_key, dense_value, attention_mask, dropout=dropout,
                                scaling=scaling, **kwargs)
 
@@ -317,6 +366,9 @@ def sparse_attention_forward(
             return run_dense(reason)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset, kv_start=rows,
                                          logn_base=logn_base, **scales, **device_length, **extras)
+    read = LAST_LAYER_ROWS.get()
+    if read is not None:
+        read.sparse = True
     if recording():
         attended, causal = block_counts(selection, num_queries, q_offset, rows)
         record(LayerRecord(layer_idx, phase, None, attended, causal, selection, (query, key, value, rows.starts)))

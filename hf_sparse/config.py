@@ -167,8 +167,15 @@ class PLASConfig(_MethodConfig):
             :func:`hf_sparse.kernels.decode_linear` for the layer's norms, weight products, rotary embedding,
             activation and residual adds (16 launches per layer otherwise; the 32K decode step of SmolLM2 1.7 ->
             1.6 ms on the H100). They round where transformers' ops round, but sum the products in another order
-            than cuBLAS: a greedy continuation can leave sdpa's at a near-tie (docs/benchmarks.md); ``False``
-            keeps transformers' own layers (compiled norms and MLPs) in the step.
+            than cuBLAS (last-bit differences; on SmolLM2 at 4K the greedy continuation equals eager sdpa's for
+            256 tokens, docs/benchmarks.md); ``False`` keeps transformers' own layers (compiled norms and MLPs) in
+            the step.
+        trim_last_layer: in a ``generate()`` forward that keeps the logits of its last positions only (the
+            prefill: the first new token) and returns no hidden states, the last decoder layer, where it runs
+            dense after an earlier layer of the forward ran sparse, attends for those positions only: its other
+            rows feed nothing the call returns (the cache keeps its keys and values, which come from its input)
+            and are zero. A forward that runs dense throughout computes every row (outputs equal to sdpa's);
+            ``False`` computes every row always.
     """
 
     block_size: int = 128
@@ -187,6 +194,7 @@ class PLASConfig(_MethodConfig):
     decode_cuda_graph: bool = True
     decode_compile: bool = True
     decode_fused_layers: bool = True
+    trim_last_layer: bool = True
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -206,7 +214,8 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
-        _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory")
+        _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory",
+                     "trim_last_layer")
 
     def top_k(self, phase: str) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
@@ -311,6 +320,8 @@ class XAttnConfig(_MethodConfig):
         decode_cuda_graph: as :class:`PLASConfig`'s: CUDA-graph decode in ``generate()`` on CUDA.
         decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
+        trim_last_layer: as :class:`PLASConfig`'s: a generate() prefill's last layer attends for the positions
+            whose logits it keeps only.
     """
 
     block_size: int = 128
@@ -335,6 +346,7 @@ class XAttnConfig(_MethodConfig):
     decode_cuda_graph: bool = True
     decode_compile: bool = True
     decode_fused_layers: bool = True
+    trim_last_layer: bool = True
     method: str = field(default="xattn", init=False)
 
     #: Default decode ``dense_below``, in blocks (see the field's description).
@@ -368,7 +380,7 @@ class XAttnConfig(_MethodConfig):
             raise ValueError(f"vote_ratio must be a number in [0, 1), got {self.vote_ratio!r}")
         self.vote_ratio = float(self.vote_ratio)
         _check_flags(self, "keep_sink", "keep_diagonal", "decode_cuda_graph", "decode_compile", "decode_fused_layers",
-                     "density_memory")
+                     "density_memory", "trim_last_layer")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if self.prefill_chunk is not None:

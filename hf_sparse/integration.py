@@ -5,6 +5,7 @@ All patches are idempotent and reversible (:func:`unpatch`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import logging
@@ -16,7 +17,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import graphs, kernels
-from .attention import dense_attention, method_config, sparse_attention_forward
+from .attention import LAST_LAYER_ROWS, ReadRows, dense_attention, method_config, sparse_attention_forward
 from .cache import CACHE_KWARG, SparseCache, block_size_for, kv_dtype_for
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .star_attention import star_attention_forward
@@ -30,6 +31,8 @@ ATTENTION_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "star": star_attention_forward,
 }
 METHODS = tuple(ATTENTION_FUNCTIONS)
+#: The implementations whose configs have ``trim_last_layer``.
+TRIMMED = ("plas", "xattn")
 _PROBE_NAME = "hf_sparse_probe"
 
 
@@ -154,11 +157,38 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     return result
 
 
+def _watch_read_rows(model: PreTrainedModel) -> tuple[Any, ...]:
+    """Hooks around ``model``'s forwards that set :data:`~hf_sparse.attention.LAST_LAYER_ROWS` to the forward's
+    ``logits_to_keep`` (a positive int) while it runs, where the call asks for no hidden states, attentions or
+    router logits (what would read the last layer's other rows); their handles."""
+    tokens: list[contextvars.Token] = []
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        keep = kwargs.get("logits_to_keep")
+        config = module.config
+        reads_more = bool(args) or any(
+            kwargs.get(name) if kwargs.get(name) is not None else getattr(config, name, False)
+            for name in ("output_hidden_states", "output_attentions", "output_router_logits"))
+        read = ReadRows(keep) if type(keep) is int and keep > 0 and not reads_more else None
+        tokens.append(LAST_LAYER_ROWS.set(read))
+
+    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if tokens:
+            LAST_LAYER_ROWS.reset(tokens.pop())
+
+    return (model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+
 def _generate(self, *args: Any, **kwargs: Any) -> Any:
-    """``generate()``, after which the CUDA-graph wrapper the cache hook may have installed is removed."""
+    """``generate()`` of our implementations with the forwards watched for the rows they read
+    (:func:`_watch_read_rows`), after which the CUDA-graph wrapper the cache hook may have installed is removed."""
+    handles = _watch_read_rows(self) if getattr(self.config, "_attn_implementation", None) in TRIMMED else ()
     try:
         return _ORIGINAL["generate"](self, *args, **kwargs)
     finally:
+        for handle in handles:
+            handle.remove()
         graphs.uninstall(self)
 
 

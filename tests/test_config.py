@@ -33,6 +33,7 @@ def test_defaults_match_fastdeploy():
     ({"search_steps": 0}, "search_steps"),
     ({"decode_cuda_graph": 1}, "decode_cuda_graph"),
     ({"decode_fused_layers": "yes"}, "decode_fused_layers"),
+    ({"trim_last_layer": None}, "trim_last_layer"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

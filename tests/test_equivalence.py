@@ -506,3 +506,38 @@ def test_density_floor_and_memory(method, monkeypatch):
         reads.clear()
         sparse(ids[:, :100])  # another bucket: decided anew
         assert len(reads) == 2
+
+
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_generate_trims_the_last_layer_to_the_rows_it_reads(method):
+    """A generate() prefill in which a layer ran sparse computes the last layer's attention for the last position
+    only (the rows nothing reads are zero), with the same tokens and logits as every row computed; a prefill dense
+    throughout (short), hidden states asked for, or a plain forward compute every row."""
+    config = tiny_config("llama", layers=3)
+    model = build(config, "sdpa")
+    base = dict(block_size=16, dense_below=32)
+    make = hf_sparse.PLASConfig if method == "plas" else hf_sparse.XAttnConfig
+    seen = []
+    model.model.layers[-1].self_attn.register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(0))
+
+    def prefill_rows(trim, prompt=ids, **kwargs):
+        hf_sparse.configure(model, make(**base, trim_last_layer=trim))
+        seen.clear()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kwargs)
+        zero_rows = int((seen[0][0].abs().sum(-1) == 0).sum())
+        return out, zero_rows
+
+    with torch.no_grad():
+        full, zero_full = prefill_rows(False)
+        trimmed, zero_trimmed = prefill_rows(True)
+        assert (zero_full, zero_trimmed) == (0, ids.shape[1] - 1)
+        assert torch.equal(full.sequences, trimmed.sequences)
+        for a, b in zip(full.logits, trimmed.logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert prefill_rows(True, output_hidden_states=True)[1] == 0
+        assert prefill_rows(True, prompt=ids[:, :24])[1] == 0  # below dense_below: every row, as sdpa
+        seen.clear()
+        model(ids)
+        assert int((seen[0][0].abs().sum(-1) == 0).sum()) == 0
