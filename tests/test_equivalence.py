@@ -541,3 +541,15 @@ def test_generate_trims_the_last_layer_to_the_rows_it_reads(method):
         seen.clear()
         model(ids)
         assert int((seen[0][0].abs().sum(-1) == 0).sum()) == 0
+        # a left-padded batch: each row's last position is real, and the tokens are those of every row computed
+        batch = torch.cat([ids, ids.roll(7, dims=1)])
+        mask = torch.ones_like(batch)
+        batch[1, :9], mask[1, :9] = 0, 0
+        runs = {}
+        for trim in (False, True):
+            hf_sparse.configure(model, make(**base, trim_last_layer=trim))
+            seen.clear()
+            runs[trim] = model.generate(batch, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            # (untrimmed, the padded row's 9 padding queries see no key: zero outputs)
+            assert int((seen[0][1].abs().sum(-1) == 0).sum()) == (ids.shape[1] - 1 if trim else 9)
+        assert torch.equal(runs[False], runs[True])
