@@ -157,14 +157,23 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     return result
 
 
-def _watch_read_rows(model: PreTrainedModel) -> tuple[Any, ...]:
+def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
     """Hooks around ``model``'s forwards that set :data:`~hf_sparse.attention.LAST_LAYER_ROWS` to the forward's
     ``logits_to_keep`` (a positive int) while it runs, where the call asks for no hidden states, attentions or
-    router logits (what would read the last layer's other rows); their handles."""
+    router logits (what would read the last layer's other rows); their handles. They remove themselves at the
+    first forward of no more positions than it keeps (a decode step: the prompt is done, and the steps' time is
+    spared the hooks)."""
     tokens: list[contextvars.Token] = []
+    handles: list[Any] = []
 
     def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         keep = kwargs.get("logits_to_keep")
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if type(keep) is int and keep > 0 and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 \
+                and inputs.shape[1] <= keep:
+            for handle in handles:
+                handle.remove()
+            return
         config = module.config
         reads_more = bool(args) or any(
             kwargs.get(name) if kwargs.get(name) is not None else getattr(config, name, False)
@@ -176,8 +185,9 @@ def _watch_read_rows(model: PreTrainedModel) -> tuple[Any, ...]:
         if tokens:
             LAST_LAYER_ROWS.reset(tokens.pop())
 
-    return (model.register_forward_pre_hook(before, with_kwargs=True),
-            model.register_forward_hook(after, with_kwargs=True, always_call=True))
+    handles += [model.register_forward_pre_hook(before, with_kwargs=True),
+                model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+    return handles
 
 
 def _generate(self, *args: Any, **kwargs: Any) -> Any:
