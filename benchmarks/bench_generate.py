@@ -11,12 +11,12 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
 * TPOT@N: median over pairs of (wall time of generate(max_new_tokens=N) - that of generate(max_new_tokens=1) run just
   before it) / (N - 1), for each N of --tpot-tokens (N < 64 takes 64 / N times --repeats pairs: the noise of one
   TTFT is a larger part of few tokens). So it includes each call's first decode step and whatever a call pays once
-  (a CUDA-graph capture): TPOT@16 within a few percent of TPOT@256 says a call pays little of that. "steps@16 /
-  @256" compares the same calls' decode steps on the GPU's timeline (CUDA events where each forward's logits reach
-  the token choice, from the prefill's to the last step's): a call's fixed cost after its prefill without the
-  noise of the TTFT that TPOT@N subtracts. Its ratio is a speed-up against "sdpa-static" at the
-  largest N: transformers' cache_implementation="static", with which generate() compiles the decode step, the
-  fastest dense decode a transformers user has.
+  (a CUDA-graph capture): TPOT@16 within a few percent of TPOT@256 says a call pays little of that. Its ratio is a
+  speed-up against "sdpa-static" at the largest N: transformers' cache_implementation="static", with which
+  generate() compiles the decode step, the fastest dense decode a transformers user has.
+* steps@16 / @256: the same calls' decode steps on the GPU's timeline (CUDA events where each forward's logits
+  reach the token choice, from the prefill's to the last step's), 16 against 256: a call's fixed cost after its
+  prefill without the noise of the TTFT that TPOT@N subtracts.
 * captures / call: hf_sparse CUDA-graph captures per timed generate() call (hf_sparse.graphs.stats); 0 when a
   call replays the graph an earlier call captured.
 * peak: torch.cuda.max_memory_allocated over the timed calls of that method and length (reset before them;
