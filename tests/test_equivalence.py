@@ -557,3 +557,26 @@ def test_generate_trims_the_last_layer_to_the_rows_it_reads(method):
             # (untrimmed, the padded row's 9 padding queries see no key: zero outputs)
             assert int((seen[0][1].abs().sum(-1) == 0).sum()) == (ids.shape[1] - 1 if trim else 9)
         assert torch.equal(runs[False], runs[True])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_trimmed_last_layer_on_cuda(method):
+    """On the GPU path (Triton kernels, static cache, CUDA-graph decode) the trimmed last layer gives the prefill's
+    logits of every row computed, within bf16 rounding (the first token equal where it is no near-tie)."""
+    model = build(tiny_config("llama", layers=3), "sdpa").to("cuda", torch.bfloat16)
+    make = hf_sparse.PLASConfig if method == "plas" else hf_sparse.XAttnConfig
+    ids = torch.randint(1, 128, (2, 700), generator=torch.Generator().manual_seed(1)).cuda()
+    outs = {}
+    with torch.no_grad():
+        for trim in (False, True):
+            hf_sparse.configure(model, make(block_size=64, dense_below=128, dense_above_density=None,
+                                            trim_last_layer=trim))
+            outs[trim] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                        return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    full, trimmed = outs[False].logits[0].float(), outs[True].logits[0].float()
+    torch.testing.assert_close(full, trimmed, rtol=2e-2, atol=2e-2)
+    top = full.topk(2).values
+    clear = (top[:, 0] - top[:, 1]) > 0.1
+    assert torch.equal(full.argmax(-1)[clear], trimmed.argmax(-1)[clear])
