@@ -157,6 +157,10 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     return result
 
 
+#: Forward arguments (or config fields) that ask for more of the last layer than the kept positions' logits.
+_READ_MORE = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
 def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
     """Hooks around ``model``'s forwards that set :data:`~hf_sparse.attention.LAST_LAYER_ROWS` to the forward's
     ``logits_to_keep`` (a positive int) while it runs, where the call asks for no hidden states, attentions or
@@ -168,17 +172,16 @@ def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
 
     def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         keep = kwargs.get("logits_to_keep")
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        if type(keep) is int and keep > 0 and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 \
-                and inputs.shape[1] <= keep:
+        keep = keep if type(keep) is int and keep > 0 else None
+        inputs = kwargs.get("input_ids")
+        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+        if keep is not None and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] <= keep:
             for handle in handles:
                 handle.remove()
             return
-        config = module.config
-        reads_more = bool(args) or any(
-            kwargs.get(name) if kwargs.get(name) is not None else getattr(config, name, False)
-            for name in ("output_hidden_states", "output_attentions", "output_router_logits"))
-        read = ReadRows(keep) if type(keep) is int and keep > 0 and not reads_more else None
+        asked = ({name: getattr(module.config, name, False) for name in _READ_MORE}
+                 | {name: kwargs[name] for name in _READ_MORE if kwargs.get(name) is not None})
+        read = ReadRows(keep) if keep is not None and not args and not any(asked.values()) else None
         tokens.append(LAST_LAYER_ROWS.set(read))
 
     def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
