@@ -261,7 +261,8 @@ TTFT_FIELDS = ("ttft_s", "ttft_rounds_s")
 
 
 def replot(args: argparse.Namespace) -> None:
-    """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together. A (length,
+    """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together, of the methods
+    in --methods (its default: sdpa, sdpa-static, plas, xattn; a file's option variants are left out). A (length,
     method) row in several files is merged: its TTFT from the last file that has it (e.g. a run of more
     interleaved rounds after a full run), every other field from the first; ratios are recomputed per length, a
     TTFT ratio only between rows whose TTFT comes from the same file; TPOT ratios at each length's largest number of
@@ -282,7 +283,7 @@ def replot(args: argparse.Namespace) -> None:
             ttft_source[(row["length"], row["method"])] = index
             for key in ("tpot_ms", "step_ms", "captures_per_call", "replays_per_call", "tokens"):
                 kept.setdefault(key, {} if key != "tokens" else [])
-    rows = sorted(merged.values(), key=lambda row: row["length"])
+    rows = sorted((row for row in merged.values() if row["method"] in args.methods), key=lambda row: row["length"])
     tpot_tokens = sorted(set().union(*(row["tpot_ms"] for row in rows)))
     for length in dict.fromkeys(row["length"] for row in rows):  # TPOT ratios at each length's largest N
         group = [row for row in rows if row["length"] == length]
@@ -291,9 +292,13 @@ def replot(args: argparse.Namespace) -> None:
         if ttft_source[(row["length"], row["method"])] != ttft_source.get((row["length"], "sdpa")):
             row["ttft_vs_sdpa"] = None
     first = runs[0]
-    print_table(rows, tpot_tokens, first["environment"], first["model"], first["arguments"]["repeats"])
+    environment = dict(first["environment"])
+    dates = sorted({run["environment"]["date"] for run in runs})
+    if len(dates) > 1:  # the runs' first and last dates
+        environment["date"] = f"{dates[0]} to {dates[-1]}"
+    print_table(rows, tpot_tokens, environment, first["model"], first["arguments"]["repeats"])
     if args.plot:
-        plot(rows, tpot_tokens, args.plot, f"{first['model']}\n{header(first['environment'])}")
+        plot(rows, tpot_tokens, args.plot, f"{first['model']}\n{header(environment)}")
 
 
 def main() -> None:

@@ -36,3 +36,21 @@ def test_tokens_compared_with_static_when_sdpa_timed_ttft_only():
     rows = [_row("sdpa", []), _row("sdpa-static", [1, 2, 9, 9], {4: 2.0}), _row("plas", [1, 2, 3, 5], {4: 1.0})]
     add_ratios(rows, [4])
     assert (rows[2]["same_tokens_as_sdpa"], rows[2]["same_tokens_reference"]) == (2, "sdpa-static")
+
+
+def test_replot_merges_files_and_keeps_the_methods_asked_for(capsys):
+    """--replot of two measured files: the rows of both lengths, the option variants left out unless asked for, each
+    TTFT ratio from its own file (the 128K rows from the trim run: plas 1.49x sdpa's)."""
+    import argparse
+
+    from bench_generate import replot
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "runs"
+    files = [str(runs / "dense_above_density_32k_64k_h100.json"), str(runs / "trim_131072_h100.json")]
+    replot(argparse.Namespace(replot=files, methods=["sdpa", "plas", "xattn"], plot=None))
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert not any("dense_above_density" in line or "trim_last_layer" in line for line in table)
+    plas = {line.split("|")[1].strip(): line for line in table if line.split("|")[2].strip() == "plas"}
+    assert set(plas) == {"32768", "65536", "131072"} and "1.49x" in plas["131072"]
+    replot(argparse.Namespace(replot=files[1:], methods=["plas", "plas-trim_last_layer=False"], plot=None))
+    assert "plas-trim_last_layer=False" in capsys.readouterr().out
