@@ -343,12 +343,15 @@ def sparse_attention_forward(
     else:
         summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype)
     if falls_back and num_queries >= 4 * PROBE_QUERIES:
-        probe_offset = q_offset + num_queries - PROBE_QUERIES
-        probe = select(query[:, :, -PROBE_QUERIES:], summaries, key, scale=scale, q_offset=probe_offset,
-                       kv_start=rows, key_scale=scales.get("key_scale"), probe=True)
-        probe_density = selection_density(probe, PROBE_QUERIES, probe_offset, rows)
+        def select_run(run_query, run_key, run_key_scale, run_offset):
+            return select(run_query, summaries, run_key, scale=scale, q_offset=run_offset, kv_start=rows,
+                          key_scale=run_key_scale, probe=True)
+
+        probe_density = density.probe_density(select_run, query, key, scales.get("key_scale"), q_offset, rows,
+                                              PROBE_QUERIES, config.block_size)
         if probe_density >= threshold:
-            reason = (f"probe density {probe_density:.3f} (last {PROBE_QUERIES} queries) >= {threshold:.3f} "
+            reason = (f"probe density {probe_density:.3f} ({PROBE_QUERIES} queries in {density.PROBE_RUNS} runs) "
+                      f">= {threshold:.3f} "
                       f"(dense_above_density {config.dense_above_density} less the selection still to run, "
                       f"{share:.2f} of dense attention)")
             if config.density_memory:

@@ -5,18 +5,52 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from . import kernels
 from .selection import BlockSelection, RowLayout
 
-#: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for its
-#: last ``PROBE_QUERIES`` only, a cheap estimate of the call's density (those queries see the most blocks; on
-#: SmolLM2's text they read above the full selection at 128K and below it at 32K, so a sparse probe is followed
-#: by the full selection's own check). The selection for the rest is still to be paid at the probe, so it runs
-#: the call dense from a lower density: :func:`probe_threshold`.
+#: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for
+#: ``PROBE_QUERIES`` of them only, a cheap estimate of the call's density (a sparse probe is followed by the full
+#: selection's own check). The selection for the rest is still to be paid at the probe, so it runs the call dense
+#: from a lower density: :func:`probe_threshold`.
 PROBE_QUERIES = 1024
+#: The probe's queries are this many runs spread evenly over the prefill, the last at its end (:func:`probe_runs`;
+#: with 1024 queries, one 128-query tile each): a tile's density depends on where it sits. On SmolLM2's text at 128K
+#: the last 1024 queries alone read 0.69-0.78 in layers whose full selection keeps 0.40-0.66 (H100,
+#: docs/benchmarks.md), which sent those layers dense; eight runs measured a little faster than four there.
+PROBE_RUNS = 8
+
+
+def probe_runs(num_queries: int, sample: int, align: int) -> list[tuple[int, int]]:
+    """``(first query, queries)`` of the probe's runs over a prefill of ``num_queries`` queries: :data:`PROBE_RUNS`
+    runs of ``sample // PROBE_RUNS`` queries ending at evenly spaced points (rounded down to a multiple of
+    ``align``, the last at the end), so that, weighted by the blocks they see as the call's density is, they stand
+    for every part of it."""
+    size = max(1, sample // PROBE_RUNS)
+    runs = []
+    for i in range(1, PROBE_RUNS + 1):
+        end = num_queries if i == PROBE_RUNS else max(size, num_queries * i // PROBE_RUNS // align * align)
+        runs.append((end - size, size))
+    return runs
+
+
+def probe_density(select: Callable[..., BlockSelection], query: torch.Tensor, key: torch.Tensor, key_scale: torch.Tensor | None,
+                  q_offset: int, rows: RowLayout, sample: int, align: int) -> float:
+    """Attended / causal blocks of ``select``'s selections for the :func:`probe_runs` of a prefill's ``query``
+    (keys ``key`` ending at its last query, ``q_offset`` the first query's slot), as one density (one
+    device-to-host read). ``select(query, key, key_scale, q_offset)`` selects for a run, its keys cut at the run's
+    end."""
+    counts = []
+    for first, size in probe_runs(query.shape[2], sample, align):
+        end = q_offset + first + size
+        run_scale = key_scale[:, :, :end] if key_scale is not None else None
+        selection = select(query[:, :, first:first + size], key[:, :, :end], run_scale, q_offset + first)
+        counts.extend(block_counts(selection, size, q_offset + first, rows))
+    attended, causal = torch.stack(counts).view(-1, 2).sum(0).tolist()
+    return attended / max(causal, 1)
 
 
 def probe_threshold(dense_above_density: float, selection_share: float) -> float:

@@ -54,3 +54,17 @@ def test_replot_merges_files_and_keeps_the_methods_asked_for(capsys):
     assert set(plas) == {"32768", "65536", "131072"} and "1.49x" in plas["131072"]
     replot(argparse.Namespace(replot=files[1:], methods=["plas", "plas-trim_last_layer=False"], plot=None))
     assert "plas-trim_last_layer=False" in capsys.readouterr().out
+
+
+def test_probe_layers_names_each_decision():
+    """benchmarks/probe_layers.py's cell: a sparse layer's density, and the density the attention function's dense
+    reasons name (the probe's, the full selection's), or D for a dense layer by configuration."""
+    from probe_layers import cell
+
+    from hf_sparse.recording import LayerRecord
+
+    assert cell(LayerRecord(3, "prefill", None, 40.0, 100.0)) == "3:0.40"
+    probe = "probe density 0.712 (1024 queries in 8 runs) >= 0.670 (dense_above_density 0.75 less the selection ...)"
+    assert cell(LayerRecord(8, "prefill", probe)) == "8:P0.712"
+    assert cell(LayerRecord(9, "prefill", "density 0.801 >= dense_above_density 0.75")) == "9:F0.801"
+    assert cell(LayerRecord(29, "prefill", "dense_layers")) == "29:D"

@@ -7,6 +7,7 @@ import torch
 import hf_sparse
 from hf_sparse.cache import SparseCache
 from hf_sparse.kernels import reference as ref
+from hf_sparse.methods import METHODS
 
 from conftest import build, full_density, tiny_config
 
@@ -348,9 +349,48 @@ def test_probe_threshold_counts_the_selection_still_to_run():
     assert 0.1 < xattn.selection_share(131072, 128) < xattn.selection_share(32768, 128) < 0.5
 
 
+def test_density_probe_runs_are_tiles_of_the_full_selection():
+    """The probe's runs are spread over the prefill (the last at its end), aligned to whole tiles, and each run's
+    selection, its keys cut at its end, equals the full selection's rows for those tiles (a row without padding;
+    a padded row's tiles start at its first slot): the probe density is attended / causal blocks summed over the
+    runs (PLAS reference, a left-padded batch)."""
+    from hf_sparse.density import block_counts, probe_density, probe_runs
+    from hf_sparse.padding import padding_layout
+
+    assert probe_runs(4096, 1024, 128) == [(start, 128) for start in range(384, 4096, 512)]
+    assert probe_runs(1000, 64, 16) == [(start, 8) for start in (104, 232, 360, 488, 616, 728, 856, 992)]
+    config = hf_sparse.PLASConfig(block_size=16, query_union=16, prefill_top_k=(2, 3))
+    policy = METHODS["plas"](config)
+    gen = torch.Generator().manual_seed(7)
+    query, key = torch.randn(2, 4, 512, 16, generator=gen), torch.randn(2, 2, 512, 16, generator=gen)
+    mask = torch.ones(2, 512, dtype=torch.long)
+    mask[1, :40] = 0
+    rows = padding_layout(mask, 2, 512, query.device, validate=True)
+    summaries = hf_sparse.kernels.block_summaries(key, None, rows, 16)
+    kwargs = dict(scale=0.25, kv_start=rows)
+    full = policy.select_prefill(query, summaries, key, q_offset=0, **kwargs)
+    seen = []
+
+    def select(run_query, run_key, run_scale, offset):
+        run = policy.select_prefill(run_query, summaries, run_key, q_offset=offset, probe=True, **kwargs)
+        tiles = slice(offset // 16, (offset + run_query.shape[2]) // 16)
+        assert torch.equal(run.counts[0], full.counts[0, :, tiles])  # (the padded row's tiles start at its slot 40)
+        seen.append((offset, run_query.shape[2], run_key.shape[2]))
+        return run
+
+    density = probe_density(select, query, key, None, 0, rows, 128, 16)
+    assert seen == [(end - 16, 16, end) for end in range(64, 513, 64)]
+    attended = sum(int(policy.select_prefill(query[:, :, first:first + size], summaries, key[:, :, :end], q_offset=first,
+                                             probe=True, **kwargs).counts.sum()) for first, size, end in seen)
+    causal = sum(int(block_counts(policy.select_prefill(query[:, :, first:first + size], summaries, key[:, :, :end],
+                                                        q_offset=first, probe=True, **kwargs), size, first, rows)[1])
+                 for first, size, end in seen)
+    assert density == pytest.approx(attended / causal) and 0 < density < 1
+
+
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 def test_density_probe_decides_long_prefills(method, monkeypatch):
-    """A long prefill first selects for its last PROBE_QUERIES queries: a dense probe runs sdpa (exactly) without
+    """A long prefill first selects for PROBE_QUERIES of its queries (in PROBE_RUNS runs): a dense probe runs sdpa (exactly) without
     selecting for the rest; a sparse one goes on to the full selection, with the output the call has without a
     probe. Runs the Triton selection kernels under TRITON_INTERPRET=1 (and on CUDA)."""
     import hf_sparse.attention as attention
@@ -375,8 +415,8 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         with hf_sparse.record_sparsity() as rec:
             out = sparse(ids).logits
         assert torch.equal(out, dense(ids).logits)
-        assert calls == [64, 64]  # one probe per layer, no full selection
-        assert all(r.startswith("probe density 1.000 (last 64 queries) >= ") and "dense_above_density 0.75" in r
+        assert calls == [8] * 16  # one probe of eight runs per layer, no full selection
+        assert all(r.startswith("probe density 1.000 (64 queries in 8 runs) >= ") and "dense_above_density 0.75" in r
                    for r in rec.dense_layers("prefill").values()) and len(rec.dense_layers("prefill")) == 2
         hf_sparse.configure(sparse, sparse_config)
         # a selection costing dense attention's time: dense at any density, decided before selecting anything
@@ -391,7 +431,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         calls.clear()
         with hf_sparse.record_sparsity() as rec:
             probed = sparse(ids).logits
-        assert calls == [64, length, 64, length] and not rec.dense_layers()
+        assert calls == ([8] * 8 + [length]) * 2 and not rec.dense_layers()
         monkeypatch.setattr(attention, "PROBE_QUERIES", 1024)
         calls.clear()
         unprobed = sparse(ids).logits
@@ -404,7 +444,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         hf_sparse.density.forget_decisions(sparse)
         calls.clear()
         sparse(ids)
-        assert calls == [64, length, 64, length]
+        assert calls == ([8] * 8 + [length]) * 2
 
 
 @pytest.mark.parametrize("method", ["plas", "xattn"])

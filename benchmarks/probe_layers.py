@@ -1,0 +1,60 @@
+"""Each layer's prefill decision for PLAS or XAttention (``--method``) at given prompt lengths, three ways: the default
+configuration, no density fallback (every layer's full selection density) and ``dense_above_density=0.85``; density
+memory off, so every
+forward decides afresh. One line per (length, configuration): ``layer:density`` for a sparse layer, ``layer:P<d>``
+for one the probe sent dense at probe density ``d``, ``layer:F<d>`` for one whose full selection ``d`` did,
+``layer:D`` for a dense layer by configuration (``dense_layers``, ``dense_below``).
+
+    python benchmarks/probe_layers.py --model smollm2 --lengths 32768 131072 [--method xattn]
+
+Needs CUDA (the density fallback applies there only).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import add_model_arguments, load_model
+
+
+def cell(record) -> str:
+    """One layer's decision as ``layer:density``, ``layer:P<probe density>``, ``layer:F<density>`` or ``layer:D``."""
+    if record.dense_reason is None:
+        return f"{record.layer_idx}:{float(record.attended_blocks) / max(float(record.causal_blocks), 1.0):.2f}"
+    words = record.dense_reason.split()
+    if record.dense_reason.startswith("probe density"):
+        return f"{record.layer_idx}:P{words[2]}"
+    if record.dense_reason.startswith("density"):
+        return f"{record.layer_idx}:F{words[1]}"
+    return f"{record.layer_idx}:D"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, default="smollm2")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072], help="prompt lengths in tokens")
+    parser.add_argument("--method", choices=["plas", "xattn"], default="plas", help="(default: %(default)s)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_layers.py needs CUDA: the density fallback it reports applies on CUDA only")
+    import hf_sparse
+
+    loaded = load_model(args)
+    config_class = hf_sparse.PLASConfig if args.method == "plas" else hf_sparse.XAttnConfig
+    configs = {"default": config_class(density_memory=False),
+               "no fallback": config_class(dense_above_density=None, density_memory=False),
+               "dense_above_density=0.85": config_class(dense_above_density=0.85, density_memory=False)}
+    print(loaded.description, "|", args.method)
+    for length in args.lengths:
+        ids = loaded.prompt(length)
+        for name, config in configs.items():
+            hf_sparse.configure(loaded.model, config)
+            with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+                loaded.model(input_ids=ids, logits_to_keep=1)
+            cells = [cell(record) for record in recorder.records if record.phase == "prefill"]
+            print(f"{length} | {name} | density {recorder.density('prefill'):.3f} | {' '.join(cells)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
