@@ -733,3 +733,23 @@ def test_kept_graphs_decode_a_new_prompt_as_fresh_graphs_do(method):
     fresh = run(prompts[1])
     assert stats.captures == captures + 1
     assert torch.equal(kept, fresh)
+
+
+def test_dependent_launch_where_the_gpu_and_triton_have_it(monkeypatch):
+    """A decode step's kernels launch with programmatic dependent launch on CUDA devices of compute capability 9+
+    (with Triton's grid dependency control); never on the CPU or under the interpreter; HF_SPARSE_PDL=0 turns it
+    off. (The device checks are faked here; the GPU tests run the kernels with it.)"""
+    from hf_sparse.kernels import _common
+
+    assert not _common.dependent_launch(torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for capability, expected in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(_common, "_DEPENDENT_LAUNCH", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert _common.dependent_launch(cuda) is expected
+    monkeypatch.setenv("HF_SPARSE_PDL", "0")
+    assert not _common.dependent_launch(cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("HF_SPARSE_PDL")
+    assert not _common.dependent_launch(cuda)

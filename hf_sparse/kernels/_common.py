@@ -162,6 +162,28 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
+#: Whether each CUDA device launches decode kernels with programmatic dependent launch (see :func:`dependent_launch`).
+_DEPENDENT_LAUNCH: dict[int, bool] = {}
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a decode step's kernels launch with programmatic dependent launch on ``device`` (CUDA, compute
+    capability 9 or more, Triton's grid dependency control, not the interpreter, not turned off by
+    ``HF_SPARSE_PDL=0``). Such a kernel waits for the kernel before it to finish (``gdc_wait``) before touching
+    memory, then lets the next one launch (``gdc_launch_dependents``): the same order as plain stream order,
+    with the next launch overlapping this kernel instead of following it."""
+    if device.type != "cuda" or interpreting() or os.environ.get("HF_SPARSE_PDL") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEPENDENT_LAUNCH:
+        import triton.language as tl
+
+        cuda = getattr(tl.extra, "cuda", None)
+        _DEPENDENT_LAUNCH[index] = (torch.cuda.get_device_capability(index)[0] >= 9
+                                    and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
+    return _DEPENDENT_LAUNCH[index]
+
+
 def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream (launches of one
     stream run one after another, so they can share them): a kernel that takes tickets (the last of a group

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_settings, next_power_of_2
+from ._common import dependent_launch, dot_settings, next_power_of_2
 
 
 @triton.jit
@@ -31,8 +31,11 @@ def _decode_linear_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
     ROTARY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # programmatic dependent launch: the kernel before is done first, the one after may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # Which weight this program's columns belong to (a gated call reads W0 and W1 on the same columns).
     if pid < T0:
@@ -151,6 +154,7 @@ def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tu
     t1 = 0 if gated else (tiles[1] if len(tiles) > 1 else 0)
     cos, sin = rotary if rotary is not None else (x, x)
     steps = cos.shape[1] if rotary is not None else 1
+    pdl = dependent_launch(x.device)
     _decode_linear_kernel[grid](
         x, norm_weight if norm_weight is not None else x, *padded, *padded_biases,
         residual if residual is not None else x, out, cos, sin,
@@ -162,6 +166,6 @@ def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tu
         ROTARY=rotary is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
+        PDL=pdl, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -19,8 +19,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, check_length, dot_settings, heads_per_program, next_power_of_2, sm_count,
-                      softcap_mode, softcap_sink_args, ticket_counters, value_args, values_aligned, wide_offsets)
+from ._common import (attention_outputs, cdiv, check_length, dependent_launch, dot_settings, heads_per_program,
+                      next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters, value_args,
+                      values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
 
@@ -57,8 +58,11 @@ def _sparse_decode_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
     MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # programmatic dependent launch: the kernel before is done first, the one after may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // (SEL_HEADS * HEAD_GROUPS)
@@ -222,6 +226,7 @@ def sparse_decode(
               **(TUNING_INT8 if key.dtype == torch.int8 else {})}
     configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(tuning["block_n"], tuning["num_stages"])]
     configs += [(64, 2), (32, 2), (32, 1), (16, 1)]
+    pdl = dependent_launch(query.device)
     for block_n, stages in configs:
         block_n = min(block_n, selection.block_size)
         if selection.block_size % block_n:
@@ -245,6 +250,7 @@ def sparse_decode(
                 HAS_SINKS=sinks is not None,
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
+                PDL=pdl, **({"launch_pdl": True} if pdl else {}),
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller
