@@ -1,9 +1,8 @@
 """Each layer's prefill decision for PLAS or XAttention (``--method``) at given prompt lengths, three ways: the default
 configuration, no density fallback (every layer's full selection density) and ``dense_above_density=0.85``; density
-memory off, so every
-forward decides afresh. One line per (length, configuration): ``layer:density`` for a sparse layer, ``layer:P<d>``
-for one the probe sent dense at probe density ``d``, ``layer:F<d>`` for one whose full selection ``d`` did,
-``layer:D`` for a dense layer by configuration (``dense_layers``, ``dense_below``).
+memory off, so every forward decides afresh. One line per (length, configuration): ``layer:density`` for a sparse
+layer, ``layer:P<d>`` for one the probe sent dense at probe density ``d``, ``layer:F<d>`` for one whose full
+selection ``d`` did, ``layer:D`` for a dense layer by configuration (``dense_layers``, ``dense_below``).
 
     python benchmarks/probe_layers.py --model smollm2 --lengths 32768 131072 [--method xattn]
 

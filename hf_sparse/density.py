@@ -37,8 +37,8 @@ def probe_runs(num_queries: int, sample: int, align: int) -> list[tuple[int, int
     return runs
 
 
-def probe_density(select: Callable[..., BlockSelection], query: torch.Tensor, key: torch.Tensor, key_scale: torch.Tensor | None,
-                  q_offset: int, rows: RowLayout, sample: int, align: int) -> float:
+def probe_density(select: Callable[..., BlockSelection], query: torch.Tensor, key: torch.Tensor,
+                  key_scale: torch.Tensor | None, q_offset: int, rows: RowLayout, sample: int, align: int) -> float:
     """Attended / causal blocks of ``select``'s selections for the :func:`probe_runs` of a prefill's ``query``
     (keys ``key`` ending at its last query, ``q_offset`` the first query's slot), as one density (one
     device-to-host read). ``select(query, key, key_scale, q_offset)`` selects for a run, its keys cut at the run's

@@ -166,6 +166,7 @@ def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tu
         ROTARY=rotary is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=dot_fp32, PRECISION=precision,
-        PDL=pdl, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"], **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
