@@ -184,6 +184,12 @@ def dependent_launch(device: torch.device) -> bool:
     return _DEPENDENT_LAUNCH[index]
 
 
+def dependent_launch_args(device: torch.device) -> dict:
+    """A decode kernel's launch arguments for :func:`dependent_launch`: its ``PDL`` constexpr, and Triton's
+    ``launch_pdl`` where it is on."""
+    return {"PDL": True, "launch_pdl": True} if dependent_launch(device) else {"PDL": False}
+
+
 def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream (launches of one
     stream run one after another, so they can share them): a kernel that takes tickets (the last of a group

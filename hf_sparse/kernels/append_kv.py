@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dependent_launch, next_power_of_2
+from ._common import dependent_launch_args, next_power_of_2
 
 
 @triton.jit
@@ -79,7 +79,6 @@ def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage:
         return
     d_pad, dv_pad = max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(head_dim_v))
     has_counts = counts is not None
-    pdl = dependent_launch(key_states.device)
     _append_kv_kernel[(1,)](
         key_states, value_states, key_storage, value_storage, length,
         starts if has_counts else length, counts if has_counts else length,
@@ -88,5 +87,5 @@ def append_kv(key_states: torch.Tensor, value_states: torch.Tensor, key_storage:
         HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=d_pad, DV_PAD=dv_pad,
         ROWS=max(1, min(next_power_of_2(rows), 8192 // max(d_pad, dv_pad))), HAS_COUNTS=has_counts,
         BLOCK_SIZE=max(1, block_size), B_PAD=next_power_of_2(batch), num_warps=4,
-        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        **dependent_launch_args(key_states.device),
     )

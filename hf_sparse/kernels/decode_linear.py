@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dependent_launch, dot_settings, next_power_of_2
+from ._common import dependent_launch_args, dot_settings, next_power_of_2
 
 
 @triton.jit
@@ -154,7 +154,6 @@ def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tu
     t1 = 0 if gated else (tiles[1] if len(tiles) > 1 else 0)
     cos, sin = rotary if rotary is not None else (x, x)
     steps = cos.shape[1] if rotary is not None else 1
-    pdl = dependent_launch(x.device)
     _decode_linear_kernel[grid](
         x, norm_weight if norm_weight is not None else x, *padded, *padded_biases,
         residual if residual is not None else x, out, cos, sin,
@@ -166,7 +165,6 @@ def decode_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tu
         ROTARY=rotary is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=dot_fp32, PRECISION=precision,
-        PDL=pdl, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
-        **({"launch_pdl": True} if pdl else {}),
+        num_warps=tuning["num_warps"], num_stages=tuning["num_stages"], **dependent_launch_args(x.device),
     )
     return out

@@ -19,9 +19,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, check_length, dependent_launch, dot_settings, heads_per_program,
-                      next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters, value_args,
-                      values_aligned, wide_offsets)
+from ._common import (attention_outputs, cdiv, check_length, dependent_launch_args, dot_settings,
+                      heads_per_program, next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters,
+                      value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
 
@@ -226,7 +226,6 @@ def sparse_decode(
               **(TUNING_INT8 if key.dtype == torch.int8 else {})}
     configs = [] if dot_fp32 or max(head_dim, head_dim_v) > 128 else [(tuning["block_n"], tuning["num_stages"])]
     configs += [(64, 2), (32, 2), (32, 1), (16, 1)]
-    pdl = dependent_launch(query.device)
     for block_n, stages in configs:
         block_n = min(block_n, selection.block_size)
         if selection.block_size % block_n:
@@ -250,7 +249,7 @@ def sparse_decode(
                 HAS_SINKS=sinks is not None,
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
-                PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+                **dependent_launch_args(query.device),
             )
             break
         except OutOfResources:  # too little shared memory on this GPU for these tiles: next, smaller

@@ -99,7 +99,8 @@ def _attend_entries(
     dtype, so a key's scale multiplies its score column and a value's scale the probability column that
     weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
     slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores. With ``SOFTCAP``
-    the scaled scores are capped (``_soft_cap``, cap ``softcap_log2``) before the bias and the masks.
+    the scaled scores are capped (``cap * tanh(score / cap)``, cap ``softcap_log2``; the cap folded into the
+    softmax's max and exponent where no bias comes between) before the bias and the masks.
     With ``V_BLOCK`` (> 0) the values are blocked (``reference.blocked_values``): slot ``s`` of channel ``d``
     at ``(s // V_BLOCK) * stride_vblk + d * stride_vd + (s % V_BLOCK) * stride_vs``; with ``V_ALIGNED`` every
     row starts at a multiple of ``BLOCK_N`` (and ``V_BLOCK`` is one), so a tile's slots are contiguous.
