@@ -13,19 +13,26 @@ import triton.language as tl
 from ._common import next_power_of_2
 
 
-#: Parts loaded per step of the merge: their loads are issued together (one L2 round trip per step, not
-#: one per part; the split decode merges up to 64 parts on its critical path).
+#: Parts loaded per step of the ``merge_lse`` kernel's merge: their loads are issued together (one L2 round trip
+#: per step, not one per part).
 PARTS_PER_STEP = tl.constexpr(4)
+
+
+def parts_per_step(rows: int, d_pad: int) -> int:
+    """Parts a merge of ``rows`` x ``d_pad`` float32 partials loads per step: as many as keep the step's loads
+    within 8192 values (64 registers a thread at 4 warps), 4 to 16. The split decode merges up to 64 parts on
+    its critical path, a few rows each: 16 a step is 4 dependent L2 round trips instead of 16."""
+    return max(4, min(16, 8192 // max(1, rows * d_pad)))
 
 
 @triton.jit
 def _merge_parts(lse_ptrs, part_ptrs, stride_lse_n, stride_part_n, num_parts, row_ok, d_ok,
-                 ROWS: tl.constexpr, D_PAD: tl.constexpr):
+                 ROWS: tl.constexpr, D_PAD: tl.constexpr, PARTS_PER_STEP: tl.constexpr):
     """Merge ``num_parts`` partial results of ``ROWS`` rows: ``lse_ptrs`` ``[ROWS]`` and ``part_ptrs``
     ``[ROWS, D_PAD]`` point at part 0 (part n is ``stride_*_n`` further). Returns the float32 merged output
     ``[ROWS, D_PAD]`` and lse ``[ROWS]``; a row with no part seen is zero with lse -inf. One pass with a
-    running maximum, ``PARTS_PER_STEP`` parts per step. Loads bypass L1 (``.cg``), so parts other programs of
-    the same launch wrote are read correctly."""
+    running maximum, ``PARTS_PER_STEP`` parts per step (their loads issued together). Loads bypass L1
+    (``.cg``), so parts other programs of the same launch wrote are read correctly."""
     top = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
@@ -72,7 +79,7 @@ def _merge_lse_kernel(
     lse_rows = PART_LSE + i0 * stride_l0 + i1 * stride_l1 + i2 * stride_l2
     part_rows = PARTS + i0 * stride_p0 + i1 * stride_p1 + i2 * stride_p2
     out, merged = _merge_parts(lse_rows, part_rows[:, None] + offs_d[None, :] * stride_pd, stride_ln, stride_pn,
-                               num_parts, row_ok, d_ok, BLOCK_R, D_PAD)
+                               num_parts, row_ok, d_ok, BLOCK_R, D_PAD, PARTS_PER_STEP)
     tl.store(OUT + i0[:, None] * stride_o0 + i1[:, None] * stride_o1 + i2[:, None] * stride_o2 + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(OUT_LSE + i0 * stride_m0 + i1 * stride_m1 + i2 * stride_m2, merged, mask=row_ok)

@@ -22,7 +22,7 @@ from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, check_length, dependent_launch_args, dot_settings,
                       heads_per_program, next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters,
                       value_args, values_aligned, wide_offsets)
-from .merge_lse import _merge_parts
+from .merge_lse import _merge_parts, parts_per_step
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
 
 #: Calls with one query tile and at most this many queries per sequence use this kernel.
@@ -58,7 +58,8 @@ def _sparse_decode_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
     MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # programmatic dependent launch: the kernel before is done first, the one after may launch
         tl.extra.cuda.gdc_wait()
@@ -136,17 +137,26 @@ def _sparse_decode_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(TICKETS + pid, 1, sem="acq_rel")
         if ticket == splits - 1:
+            # The merge takes only the program's real rows (MERGE_ROWS, not the dot's padded BLOCK_M), so its
+            # steps can load many parts at once (MERGE_STEP): fewer dependent L2 round trips.
+            m_rows = tl.arange(0, MERGE_ROWS)
+            m_head = first_head + m_rows // NUM_QUERIES
+            m_query = m_rows % NUM_QUERIES
+            m_ok = m_rows < HEADS_PER_PROG * NUM_QUERIES
+            if HAS_SKIP:
+                m_ok = m_ok & (m_rows * 0 + skipped == 0)
             dv_ok = offs_dv < HEAD_DIM_V
             merged, merged_lse = _merge_parts(
-                LSE + b64 * stride_lb + head * stride_lh + query * stride_ls,
-                OUT + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + query[:, None] * stride_os
-                + offs_dv[None, :] * stride_od, stride_ln, stride_on, splits, head_ok, dv_ok, BLOCK_M, DV_PAD)
+                LSE + b64 * stride_lb + m_head * stride_lh + m_query * stride_ls,
+                OUT + b64 * stride_ob + m_head[:, None].to(tl.int64) * stride_oh + m_query[:, None] * stride_os
+                + offs_dv[None, :] * stride_od, stride_ln, stride_on, splits, m_ok, dv_ok, MERGE_ROWS, DV_PAD,
+                MERGE_STEP)
             if HAS_SINKS:
-                merged = _sink_scale(merged, merged_lse, SINKS, head, head_ok)
-            tl.store(FINAL + b64 * stride_fb + head[:, None].to(tl.int64) * stride_fh + query[:, None] * stride_fs
+                merged = _sink_scale(merged, merged_lse, SINKS, m_head, m_ok)
+            tl.store(FINAL + b64 * stride_fb + m_head[:, None].to(tl.int64) * stride_fh + m_query[:, None] * stride_fs
                      + offs_dv[None, :] * stride_fd, merged.to(FINAL.dtype.element_ty),
-                     mask=head_ok[:, None] & dv_ok[None, :])
-            tl.store(FINAL_LSE + b64 * stride_gb + head * stride_gh + query * stride_gs, merged_lse, mask=head_ok)
+                     mask=m_ok[:, None] & dv_ok[None, :])
+            tl.store(FINAL_LSE + b64 * stride_gb + m_head * stride_gh + m_query * stride_gs, merged_lse, mask=m_ok)
             tl.store(TICKETS + pid, 0)
 
 
@@ -205,6 +215,8 @@ def sparse_decode(
     heads_per_prog = heads_per_program(heads_per_row, num_queries, 128)
     head_groups = heads_per_row // heads_per_prog
     rows = max(16, next_power_of_2(heads_per_prog * num_queries))
+    merge_rows = max(2, next_power_of_2(heads_per_prog * num_queries))
+    dv_pad = max(16, next_power_of_2(head_dim_v))
     programs = batch * sel_heads * head_groups
     width = selection.indices.shape[-1]
     splits = splits or default_splits(programs, width, query.device)
@@ -242,11 +254,11 @@ def sparse_decode(
                 HEADS_PER_PROG=heads_per_prog, GROUP=q_heads // kv_heads, NUM_QUERIES=num_queries,
                 QUERY_TILE=selection.query_tile, BLOCK_M=rows, BLOCK_SIZE=selection.block_size, BLOCK_N=block_n,
                 HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
+                D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=dv_pad,
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap_mode(softcap, query),
-                HAS_SINKS=sinks is not None,
+                HAS_SINKS=sinks is not None, MERGE_ROWS=merge_rows, MERGE_STEP=parts_per_step(merge_rows, dv_pad),
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
                 **dependent_launch_args(query.device),
