@@ -8,10 +8,12 @@ import contextvars
 import functools
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import kernels
 from .cache import DECODE_MAX_QUERY, LAYER_ATTR
@@ -21,7 +23,7 @@ from . import density
 from .density import PROBE_QUERIES, block_counts, falls_back_by_density, selection_density
 from .gates import get_gate_weight
 from .methods import METHODS
-from .padding import padding_layout
+from .padding import mask_layout, padding_layout
 from .recording import LayerRecord, record, recording
 from .selection import BlockSelection, RowLayout
 
@@ -120,32 +122,67 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
 _UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
 
 
+#: :func:`known_dense_prefill`'s reasons that hold for every layer of a forward (its shapes and configuration
+#: alone), so that its later layers may reuse the first layer's decision (:func:`_dense_forward`).
+FORWARD_WIDE = ("length", "floor")
+
+
 def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_queries: int, key_length: int,
-                        query: torch.Tensor, cache_layer: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a call is a prefill that runs sdpa's dense attention whatever its keys hold, known from the shapes
-    and the configuration alone: shorter than ``dense_below``, a ``dense_layers`` layer, or (where the density
-    fallback applies) one whose sparsest possible selection already reaches the density threshold (the
-    method's ``density_floor``: PLAS at head dim 64 up to about 16K tokens; XAttention's scoring at head dim 64
-    up to about 32K). Such a call needs nothing beyond sdpa (no logN, no int8 K/V to dequantise, none of
-    :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of this size is bound by the host's
-    time per layer, and the decision is to cost next to nothing beside sdpa's own call."""
+                        query: torch.Tensor, cache_layer: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why a call is a prefill that runs sdpa's dense attention whatever its keys hold, known from the shapes
+    and the configuration alone: ``"length"`` (shorter than ``dense_below``), ``"layer"`` (a ``dense_layers``
+    layer) or ``"floor"`` (where the density fallback applies, the method's sparsest possible selection already
+    reaches the density threshold: its ``density_floor``, PLAS at head dim 64 up to about 16K tokens, XAttention's
+    scoring at head dim 64 up to about 32K); None otherwise. Such a call needs nothing beyond sdpa (no logN, no
+    int8 K/V to dequantise, none of :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of
+    this size is bound by the host's time per layer, and the decision is to cost next to nothing beside sdpa's
+    own call."""
     if (call_phase(num_queries, key_length) != "prefill" or getattr(config, "logn_scaling", False)
             or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)):
-        return False
+        return None
     if not _UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS):
-        return False
+        return None
     if key_length < config.dense_threshold("prefill"):
-        return True
+        return "length"
     layer_idx = getattr(module, "layer_idx", 0)
     if config.dense_layers and config.is_dense_layer(
             layer_idx, config_value(module.config, "num_hidden_layers", layer_idx + 1)):
-        return True
+        return "layer"
     if (config.dense_above_density is None or not getattr(module, "is_causal", True)
             or not falls_back_by_density(query)):
-        return False
+        return None
     floor, threshold, _ = density.known_floor_and_threshold(METHODS[method], config, num_queries, key_length,
                                                             query.shape[-1])
-    return floor >= threshold
+    return "floor" if floor >= threshold else None
+
+
+#: The forward whose layers all run sdpa (a :data:`FORWARD_WIDE` decision of its first layer), one tuple replaced
+#: whole: (weak reference to its 2D mask, which transformers makes once per forward and hands to every layer; the
+#: model config; the query shape; the key length; whether sdpa takes the call without a mask, i.e. no padding).
+_DENSE_FORWARD: list[tuple] = []
+
+
+def _dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
+                   attention_mask: torch.Tensor | None) -> bool | None:
+    """For a call of the forward in :data:`_DENSE_FORWARD`: whether sdpa takes it without a mask (True) or
+    through :func:`~hf_sparse.dense.dense_attention` (False); None for any other call."""
+    entry = _DENSE_FORWARD[0] if _DENSE_FORWARD else None
+    if (entry is None or attention_mask is None or entry[0]() is not attention_mask or entry[1] is not module.config
+            or entry[2] != query.shape or entry[3] != key_length):
+        return None
+    return entry[4]
+
+
+def _remember_dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
+                            attention_mask: torch.Tensor | None) -> None:
+    """Keep a first layer's forward-wide dense decision for the forward's later layers (2D masks only: a forward
+    without a mask has nothing that tells it from the next one)."""
+    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        _DENSE_FORWARD.clear()
+        return
+    rows, left_padded = mask_layout(attention_mask, key_length, query.device)
+    unmasked = left_padded and rows.high == 0 and query.shape[2] == key_length
+    _DENSE_FORWARD[:] = [(weakref.ref(attention_mask), module.config, query.shape, key_length, unmasked)]
 
 
 def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
@@ -230,20 +267,32 @@ def sparse_attention_forward(
     them: the dense path is eager's math (:func:`~hf_sparse.dense.eager_attention`); the sparse kernels cap the
     scaled scores and rescale the output by the sinks (``kernels.reference.sparse_attention``); the selection
     sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
-    num_queries, key_length = query.shape[2], key.shape[2]
+    key_length = key.shape[2]
+    # The common prompt that runs dense in every layer, in the fewest host steps (a prompt of a few thousand tokens
+    # is bound by the host's time per layer): the first layer decides for the forward, the later ones look it up.
+    # Recording takes the path below, which names each layer's reason.
+    unmasked = _dense_forward(module, query, key_length, attention_mask) if not recording() else None
+    if unmasked is not None and (_UNUSUAL_KWARGS.isdisjoint(kwargs)
+                                 or all(kwargs.get(name) is None for name in _UNUSUAL_KWARGS)):
+        if unmasked:
+            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    num_queries = query.shape[2]
     config = method_config(module.config, method)
     cache_layer = getattr(key, LAYER_ATTR, None)
+    rows_read = read_rows(config, module, num_queries)
+    if not recording() and rows_read is None:
+        known = known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer, kwargs)
+        if known is not None:
+            if known in FORWARD_WIDE:
+                _remember_dense_forward(module, query, key_length, attention_mask)
+            return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   **kwargs)
     if cache_layer is not None and cache_layer.row_layout is None and cache_layer.static:
-        # Every layer of a static cache keeps the padding layout, dense ones too (their decode needs it).
+        # A static cache's layers keep the padding layout for their decode (a prefill decided dense above leaves
+        # it to the first decode step, whose mask holds the same padding).
         cache_layer.set_padding(padding_layout(attention_mask, query.shape[0], key_length, query.device,
                                                validate=False))
-    rows_read = read_rows(config, module, num_queries)
-    if not recording() and known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer,
-                                               kwargs) and rows_read is None:
-        # The common prompt that runs dense in every layer, in the fewest host steps (a prompt of a few thousand
-        # tokens is bound by the host's time per layer). Recording takes the path below, which names each
-        # layer's reason.
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, head_dim = query.shape[0], query.shape[-1]
     check_supported(kwargs, key_length, windows=True, computed=SPARSE_FEATURES, implementation=method)
     if query.dtype not in SUPPORTED_DTYPES:

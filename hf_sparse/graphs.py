@@ -29,6 +29,7 @@ import torch
 
 from .attention import DECODE_MAX_QUERY, method_config
 from .fusion import fused_modules
+from .padding import padding_layout
 from .recording import recording
 from .cache import CACHE_KWARGS, SparseCache
 
@@ -113,6 +114,21 @@ class _Captured:
 MAX_GRAPHS = 4
 
 
+def _take_padding(cache: SparseCache, attention_mask: torch.Tensor | None, batch: int, steps: int) -> bool:
+    """Give the static layers that have none the padding layout of a decode step's 2D mask (the prompt's
+    padding): a prefill that ran dense leaves it to the first decode step (the attention function's known-dense
+    path takes no host step it does not need); the step's graph key holds the layout's version. False for a
+    sequence's first call (nothing cached yet), which runs eagerly."""
+    layers = [layer for layer in cache.layers if layer.row_layout is None]
+    if layers and layers[0].length == 0:
+        return False
+    if layers:
+        rows = padding_layout(attention_mask, batch, layers[0].length + steps, layers[0].device, validate=False)
+        for layer in layers:
+            layer.set_padding(rows)
+    return True
+
+
 class DecodeGraphs:
     """A model's ``forward`` whose decode calls over a static SparseCache run as CUDA-graph replays.
 
@@ -193,8 +209,10 @@ class DecodeGraphs:
         steps = input_ids.shape[1]
         for layer in cache.layers:
             if (not getattr(layer, "static", False) or layer.key_storage is None
-                    or layer.row_layout is None or layer.length + steps > layer.capacity):
+                    or layer.length + steps > layer.capacity):
                 return None
+        if not _take_padding(cache, kwargs.get("attention_mask"), input_ids.shape[0], steps):
+            return None  # a sequence's first call: eager (the attention function takes its layout)
         # Below dense_below every layer decodes all blocks; above it the sparse layers select: two graphs.
         sparse = cache.layers[0].length >= config.dense_threshold("decode")
         tensors = tuple((name, tuple(value.shape), value.dtype) for name, value in sorted(kwargs.items())

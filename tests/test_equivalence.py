@@ -485,6 +485,40 @@ def test_known_dense_prefill(method, monkeypatch):
     assert known(softcap=None)
 
 
+@pytest.mark.parametrize("method", ["plas", "xattn"])
+def test_first_layer_decides_a_dense_forward(method, monkeypatch):
+    """A prompt below dense_below is decided dense by its first layer (one known_dense_prefill call per forward);
+    the later layers reuse the decision: sdpa straight where the mask holds no padding, else dense_attention.
+    Logits equal sdpa's either way; the next forward (a new mask) decides again; decode steps and recording
+    are decided per call."""
+    import hf_sparse.attention as attention
+
+    config = tiny_config("llama", 4, 2, layers=4)
+    sparse, dense = build(config, method), build(config, "sdpa")
+    decisions, dense_calls = [], []
+    original_known, original_dense = attention.known_dense_prefill, attention.dense_attention
+    monkeypatch.setattr(attention, "known_dense_prefill", lambda *a: decisions.append(a[4]) or original_known(*a))
+    monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or original_dense(*a, **k))
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[1, :7] = 0
+    with torch.no_grad():
+        for mask, through_dense in ((ones, 1), (padded, 4), (ones, 1)):
+            decisions.clear(), dense_calls.clear()
+            assert torch.equal(sparse(ids, attention_mask=mask).logits, dense(ids, attention_mask=mask).logits)
+            assert decisions == [40] and len(dense_calls) == through_dense
+        out = sparse(ids, attention_mask=ones, use_cache=True)
+        step = torch.ones(2, 41, dtype=ones.dtype)
+        decisions.clear()
+        sparse(ids[:, -1:], attention_mask=step, past_key_values=out.past_key_values)
+        assert decisions == [41] * 4  # decode: no forward-wide decision
+        decisions.clear()
+        with hf_sparse.record_sparsity() as rec:
+            sparse(ids, attention_mask=ones)
+        assert decisions == [] and len(rec.dense_layers("prefill")) == 4
+
+
 def test_density_floor_matches_the_sparsest_selection():
     """PLAS's density floor is the density of a selection where every query of a tile keeps the same top_k[0]
     blocks (within the causal ones): counted here by brute force over the tiles."""

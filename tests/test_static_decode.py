@@ -212,17 +212,20 @@ def test_all_blocks_decode_reads_only_the_valid_blocks(size, batch, q_heads, kv_
     torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method, num_beams", [("plas", 1), ("plas", 2), ("xattn", 1)])
-def test_generate_with_static_cache_equals_dynamic(method, num_beams):
+@pytest.mark.parametrize("method, num_beams, dense_below", [("plas", 1, 0), ("plas", 2, 0), ("xattn", 1, 0),
+                                                             ("plas", 1, (100, 0)), ("xattn", 1, (100, 0))])
+def test_generate_with_static_cache_equals_dynamic(method, num_beams, dense_below):
     """generate() over an explicit static cache, greedy and beam search (the cache is expanded and reordered),
-    left-padded: the dynamic cache's tokens. On the Triton path decode reads its lengths on the device."""
+    left-padded: the dynamic cache's tokens. On the Triton path decode reads its lengths on the device. With
+    ``dense_below=(100, 0)`` the prompt runs dense (the static layers take their padding layout from the first
+    decode step's mask) and the decode sparse."""
     model = build(tiny_config(layers=2), "plas").to(DEVICE)
     if method == "plas":
-        config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
+        config = hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=dense_below,
                                       query_union=16, decode_cuda_graph=False)
     else:
-        config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, dense_below=0,
-                                       decode_cuda_graph=False)
+        config = hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6,
+                                       dense_below=dense_below, decode_cuda_graph=False)
     hf_sparse.configure(model, config)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
