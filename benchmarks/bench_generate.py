@@ -265,17 +265,20 @@ def replot(args: argparse.Namespace) -> None:
     in --methods (its default: sdpa, sdpa-static, plas, xattn; a file's option variants are left out). A (length,
     method) row in several files is merged: its TTFT from the last file that has it (e.g. a run of more
     interleaved rounds after a full run), every other field from the first; ratios are recomputed per length, a
-    TTFT ratio only between rows whose TTFT comes from the same file; TPOT ratios at each length's largest number of
-    new tokens (files may have measured different ones)."""
+    TTFT (TPOT) ratio only between rows whose TTFT (TPOT) comes from the same file; TPOT ratios at each length's
+    largest number of new tokens (files may have measured different ones)."""
     import json
 
     runs = [json.load(open(path)) for path in args.replot]
     merged: dict[tuple, dict] = {}
     ttft_source: dict[tuple, int] = {}  # the file each row's TTFT comes from
+    tpot_source: dict[tuple, int] = {}  # the file each row's TPOT comes from (the first that has one)
     for index, run in enumerate(runs):
         for row in run["rows"]:
             for key in ("tpot_ms", "step_ms", "captures_per_call", "replays_per_call"):  # JSON keys are strings
                 row[key] = {int(n): value for n, value in row.get(key, {}).items()}
+            if row["tpot_ms"]:
+                tpot_source.setdefault((row["length"], row["method"]), index)
             kept = merged.setdefault((row["length"], row["method"]), {})
             for key, value in row.items():
                 if value not in (None, {}, []) and (key in TTFT_FIELDS or kept.get(key) in (None, {}, [])):
@@ -288,9 +291,12 @@ def replot(args: argparse.Namespace) -> None:
     for length in dict.fromkeys(row["length"] for row in rows):  # TPOT ratios at each length's largest N
         group = [row for row in rows if row["length"] == length]
         add_ratios(group, sorted(set().union(*(row["tpot_ms"] for row in group))))
-    for row in rows:  # a TTFT ratio holds only between the calls of one run
-        if ttft_source[(row["length"], row["method"])] != ttft_source.get((row["length"], "sdpa")):
+    for row in rows:  # a ratio holds only between the calls of one run
+        key = (row["length"], row["method"])
+        if ttft_source[key] != ttft_source.get((row["length"], "sdpa")):
             row["ttft_vs_sdpa"] = None
+        if tpot_source.get(key) != tpot_source.get((row["length"], "sdpa-static")):
+            row["tpot_vs_sdpa_static"] = None
     first = runs[0]
     environment = dict(first["environment"])
     dates = sorted({run["environment"]["date"] for run in runs})

@@ -56,6 +56,22 @@ def test_replot_merges_files_and_keeps_the_methods_asked_for(capsys):
     assert "plas-trim_last_layer=False" in capsys.readouterr().out
 
 
+def test_replot_pairs_tpot_within_one_file(capsys):
+    """A TPOT ratio holds only between rows of one file: plas's 32K TPOT from a run of sdpa-static and plas alone is
+    compared with that run's sdpa-static (3.39x), xattn's from another file's has none."""
+    import argparse
+
+    from bench_generate import replot
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "runs"
+    files = [str(runs / "gen_merge_after_4k_32k_h100.json"), str(runs / "gen_4k_32k_h100.json")]
+    replot(argparse.Namespace(replot=files, methods=["sdpa", "sdpa-static", "plas", "xattn"], plot=None))
+    rows = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line
+            for line in capsys.readouterr().out.splitlines() if line.startswith("|")}
+    assert "3.39x" in rows[("32768", "plas")] and "3.14x" not in rows[("32768", "xattn")]
+    assert "3.02x" in rows[("16384", "plas")]  # 16K only in the second file: its own pairing
+
+
 def test_probe_layers_names_each_decision():
     """benchmarks/probe_layers.py's cell: a sparse layer's density, and the density the attention function's dense
     reasons name (the probe's, the full selection's), or D for a dense layer by configuration."""
