@@ -213,7 +213,8 @@ def test_all_blocks_decode_reads_only_the_valid_blocks(size, batch, q_heads, kv_
 
 
 @pytest.mark.parametrize("method, num_beams, dense_below", [("plas", 1, 0), ("plas", 2, 0), ("xattn", 1, 0),
-                                                             ("plas", 1, (100, 0)), ("xattn", 1, (100, 0))])
+                                                             ("plas", 1, (100, 0)), ("plas", 2, (100, 0)),
+                                                             ("xattn", 1, (100, 0))])
 def test_generate_with_static_cache_equals_dynamic(method, num_beams, dense_below):
     """generate() over an explicit static cache, greedy and beam search (the cache is expanded and reordered),
     left-padded: the dynamic cache's tokens. On the Triton path decode reads its lengths on the device. With
