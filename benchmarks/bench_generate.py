@@ -256,17 +256,18 @@ def plot(rows: list[dict], tpot_tokens: list[int], path: str, title: str) -> Non
     save_figure(figure, path, title, dpi=150)
 
 
-#: The fields of a row that its TTFT measurement sets (see replot).
-TTFT_FIELDS = ("ttft_s", "ttft_rounds_s")
+#: The fields of a row that its TTFT measurement sets (see replot): the prefill's time and what the same run's prefill
+#: selected (density) and gave (fidelity).
+TTFT_FIELDS = ("ttft_s", "ttft_rounds_s", "prefill_density", "kl", "kl_last", "top1")
 
 
 def replot(args: argparse.Namespace) -> None:
     """The table (and --plot) of the rows of earlier --json files, e.g. two calls' lengths together, of the methods
     in --methods (its default: sdpa, sdpa-static, plas, xattn; a file's option variants are left out). A (length,
-    method) row in several files is merged: its TTFT from the last file that has it (e.g. a run of more
-    interleaved rounds after a full run), every other field from the first; ratios are recomputed per length, a
-    TTFT (TPOT) ratio only between rows whose TTFT (TPOT) comes from the same file; TPOT ratios at each length's
-    largest number of new tokens (files may have measured different ones)."""
+    method) row in several files is merged: its TTFT, prefill density and fidelity from the last file that has them
+    (e.g. a run of more interleaved rounds after a full run), every other field from the first; ratios are
+    recomputed per length, a TTFT (TPOT) ratio only between rows whose TTFT (TPOT) comes from the same file; TPOT
+    ratios at each length's largest number of new tokens (files may have measured different ones)."""
     import json
 
     runs = [json.load(open(path)) for path in args.replot]

@@ -4,6 +4,7 @@ SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instr
     python benchmarks/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe]
     python benchmarks/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
     python benchmarks/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
+    python benchmarks/profile_model.py layers [--length 131072] [--methods plas xattn] [--only 0 12]
 
 prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over ``--length`` prompt tokens with an
   all-ones 2D attention mask (default model: the
@@ -18,6 +19,11 @@ decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--ste
   bytes a step must read from HBM: the K/V of the blocks each layer attends (counted from one recorded step,
   hf_sparse.record_sparsity; dense layers: every token), the block summaries and the weights; each divided by
   ``--bandwidth`` (default 3.35e12 B/s, the H100 SXM's) is a floor, printed beside the span and their ratio.
+layers: each layer of one prefill, in isolation: the layer's post-rotary queries, keys and values kept from one sdpa
+  forward over ``--length`` tokens, then per layer the fastest dense SDPA (its backend named), and per ``--methods``
+  entry the layer's full prefill selection (wall time, synchronised: what the prefill waits for), the sparse attention
+  over it (do_bench) and its density (attended / causal blocks), with (selection + attention) / dense: where a sparse
+  layer pays and where it does not, whatever the density probe would have decided.
 memory: per method, the peak of two generate(max_new_tokens=``--new-tokens``) calls over ``--length`` prompt tokens
   (the first compiles, captures and allocates what later calls reuse), the memory held between calls (weights,
   kept caches and graphs), and what is held and what is live at the highest point, grouped by the innermost
@@ -487,12 +493,83 @@ def graph(args, loaded) -> None:
                  ("sdpa / this", lambda r: speedup(sdpa / r["step_ms"] if sdpa else None))], rows))
 
 
+# -- layers ------------------------------------------------------------------------------------------------------
+
+
+def layers(args, loaded) -> None:
+    from hf_sparse import attention_probe, kernels
+    from hf_sparse.methods import METHODS
+    from hf_sparse.selection import RowLayout
+
+    from _common import best_sdpa, median_ms, sparse_config, write_json
+
+    ids = loaded.prompt(args.length)
+    kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    with attention_probe(loaded.model, lambda module, q, k, v, mask: kept.append((q, k, v))), torch.no_grad():
+        loaded.model(input_ids=ids, logits_to_keep=1)
+    kv_start = RowLayout.uniform(1, "cuda")
+    methods = {name: sparse_config(name) for name in args.methods}
+    rows = []
+    for layer, (query, key, value) in enumerate(kept):
+        if args.only and layer not in args.only:
+            continue
+        dense_ms, backend = best_sdpa(query, key, value, causal=True)
+        row = {"layer": layer, "dense_ms": dense_ms, "backend": backend}
+        scale = query.shape[-1] ** -0.5
+        for name, config in methods.items():
+            method = METHODS[config.method](config)
+            summaries = kernels.block_summaries(key, None, kv_start, config.block_size)
+
+            def select(method=method, summaries=summaries):
+                return method.select_prefill(query, summaries, key, scale=scale, q_offset=0, kv_start=kv_start)
+
+            times = []
+            for _ in range(args.repeats + 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                selection = select()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            select_ms = statistics.median(times[1:])
+            attend_ms = median_ms(lambda chosen=selection: kernels.sparse_attention(
+                query, key, value, chosen, scale=scale, q_offset=0, kv_start=kv_start), min_reps=5)
+            tiles = selection.num_query_tiles
+            density = float(selection.counts.float().mean()) / ((tiles + 1) / 2)
+            row[name] = {"select_ms": select_ms, "attend_ms": attend_ms, "density": density,
+                         "vs_dense": (select_ms + attend_ms) / dense_ms}
+        rows.append(row)
+        progress(json.dumps(row))
+    print(header(environment()))
+    print(f"{loaded.description}; one prefill of {args.length} tokens, each layer in isolation on its own queries, "
+          "keys and values (kept from an sdpa forward); dense: the fastest SDPA backend (do_bench); select: wall "
+          f"time, synchronised, median of {args.repeats}; attend: the sparse kernel (do_bench); density: attended / "
+          "causal blocks")
+    columns = [("layer", lambda r: str(r["layer"])), ("dense ms", lambda r: f"{r['dense_ms']:.2f}")]
+    for name in methods:
+        columns += [(f"{name} density", lambda r, n=name: f"{r[n]['density']:.3f}"),
+                    ("select ms", lambda r, n=name: f"{r[n]['select_ms']:.2f}"),
+                    ("attend ms", lambda r, n=name: f"{r[n]['attend_ms']:.2f}"),
+                    ("total / dense", lambda r, n=name: f"{r[n]['vs_dense']:.2f}")]
+    print(table(columns, rows))
+    if rows:
+        dense_ms = sum(r["dense_ms"] for r in rows)
+        for name in methods:
+            select_ms = sum(r[name]["select_ms"] for r in rows)
+            attend_ms = sum(r[name]["attend_ms"] for r in rows)
+            best = sum(min(r["dense_ms"], r[name]["select_ms"] + r[name]["attend_ms"]) for r in rows)
+            print(f"{name}: every layer sparse {select_ms + attend_ms:.1f} ms (select {select_ms:.1f}, attend "
+                  f"{attend_ms:.1f}) vs dense {dense_ms:.1f} ms; each layer its faster path: {best:.1f} ms")
+    if args.json:
+        write_json(args.json, {"environment": environment(), "model": loaded.description, "length": args.length,
+                               "methods": args.methods, "rows": rows})
+
+
 # -- main -------------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{prefill,decode,memory,graph}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{prefill,decode,layers,memory,graph}")
 
 
     sub = commands.add_parser("prefill", help="wall vs GPU time, GPU time by kernel and host syncs of one prefill",
@@ -524,6 +601,17 @@ def main() -> None:
                      help="HBM bytes per second of the floor (default: %(default)g, H100 SXM; H200: 4.8e12)")
     sub.add_argument("--rows", type=int, default=25, help="kernels listed (default: %(default)s)")
     sub.set_defaults(run=decode)
+
+    sub = commands.add_parser("layers", help="each prefill layer alone: dense vs selection + sparse attention",
+                              description=command_help("layers"))
+    add_model_arguments(sub, default="smollm2")
+    sub.add_argument("--length", type=int, default=131072, help="prompt tokens (default: %(default)s)")
+    sub.add_argument("--methods", nargs="+", default=["plas", "xattn"], type=method_name, metavar="METHOD",
+                     help="plas, xattn and their variants, e.g. xattn-stride=16 (default: %(default)s)")
+    sub.add_argument("--only", type=int, nargs="+", metavar="LAYER", help="only these layers (default: all)")
+    sub.add_argument("--repeats", type=int, default=3, help="timed selections per layer (default: %(default)s)")
+    sub.add_argument("--json", help="write every number to this file")
+    sub.set_defaults(run=layers)
 
     sub = commands.add_parser("memory", help="peak memory of generate() and what is live at its peak",
                               description=command_help("memory"))

@@ -179,6 +179,45 @@ def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
     assert_attention_close(out, lse, expected_out, expected_lse, dtype)
 
 
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_sparse_prefill_three_heads_per_kv_head(size, dtype_name):
+    """A selection per KV head whose rows serve three query heads (SmolLM2's GQA): with query tiles of 64 or more
+    each program takes one head's queries (``program_heads``), not a third of the tile's queries of all three."""
+    from hf_sparse.kernels.sparse_prefill import launch_settings, program_heads
+
+    batch, q_heads, kv_heads, dim = 2, 6, 2, 64
+    dtype = DTYPES[dtype_name]
+    length, block, tile = (150, 16, 64) if size == "small" else (4096 + 77, 128, 128)
+    assert program_heads(q_heads // kv_heads, tile, launch_settings(dim)["block_m"]) == 1
+    gen = torch.Generator().manual_seed(seed("three heads", size, dtype_name))
+    query = bnsd(batch, q_heads, length, dim, dtype, "bnsd", gen)
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim, dtype, "bnsd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tiles = ref.num_query_tiles(length, 0, kv_start, tile)
+    selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, tile, gen)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=dim ** -0.5, q_offset=0,
+                                                      kv_start=kv_start)
+    out, lse = OPS["sparse_prefill"].sparse_prefill(query, key, value, selection, scale=dim ** -0.5, q_offset=0,
+                                                    kv_start=kv_start)
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
+def test_program_heads():
+    """Heads per program: the fewest rows computed per tile, then the most heads (they share K/V loads)."""
+    from hf_sparse.kernels.sparse_prefill import program_heads
+
+    assert program_heads(1, 128, 128) == 1
+    assert program_heads(3, 128, 128) == 1   # 3 x 128 rows, not 4 programs of 3 x 42 queries (512 rows)
+    assert program_heads(3, 16, 64) == 3     # one program of 48 queries' rows, not three programs of 16 (64 each)
+    assert program_heads(4, 128, 128) == 4   # 4 x 32 queries fill 128 rows: as few rows, fewer K/V loads
+    assert program_heads(8, 128, 128) == 8
+    assert program_heads(6, 128, 128) == 2   # 2 x 64
+    assert program_heads(5, 128, 64) == 1    # 5 heads x 16 rows do not fit 64
+
+
 # -- sparse attention: decode kernel ---------------------------------------------------------------------------
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("shape", SHAPES)

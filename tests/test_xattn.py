@@ -29,7 +29,7 @@ def xattn_model(model_config, config: XAttnConfig, seed: int = 0):
 def test_config_defaults_and_registry():
     config = XAttnConfig()
     assert (config.block_size, config.stride, config.pool, config.threshold, config.gqa_reduce) == \
-        (128, 8, "mean", 0.9, "any")
+        (128, 16, "mean", 0.9, "any")
     assert config.dense_last == 128
     assert config.keep_sink and config.keep_diagonal and config.dense_layers == (-1,)
     assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 2048 * 128

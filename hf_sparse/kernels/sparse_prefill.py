@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, dot_settings, heads_per_program, next_power_of_2, softcap_mode,
+from ._common import (attention_outputs, cdiv, dot_settings, next_power_of_2, softcap_mode,
                       softcap_sink_args, value_args, values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 / H200 defaults; benchmarks/bench_attention.py --tune tries others).
@@ -47,6 +47,28 @@ def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple
         configs.append((tuned["block_m"], tuned["block_n"], tuned["num_stages"]))
     configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
     return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
+
+
+def queries_per_program(heads: int, query_tile: int, block_m: int) -> int:
+    """Queries of one tile that a program of ``block_m`` rows takes, for each of its ``heads`` query heads."""
+    return max(1, min(next_power_of_2(query_tile), block_m // heads))
+
+
+def program_heads(heads_per_row: int, query_tile: int, block_m: int) -> int:
+    """Query heads of one selection row (a GQA group's, for a selection per KV head) that one program takes
+    together, each with at least 16 rows: the divisor of ``heads_per_row`` that computes the fewest rows per tile
+    (heads x queries rounded up to a power of two and to the 64 rows of one warp group's MMA, times the programs a
+    tile needs), the most heads among equals (they share each K/V block load). Three heads per row (SmolLM2) in 128
+    rows: three heads of 42 queries need four programs per tile of 128 queries (512 rows for 384), one head of 128
+    queries three (384); for a tile of 16 queries the three heads share one program of 64 rows."""
+    def rows_per_tile(heads: int) -> int:
+        queries = queries_per_program(heads, query_tile, block_m)
+        rows = max(64, next_power_of_2(heads * queries))
+        return (heads_per_row // heads) * cdiv(query_tile, queries) * rows
+
+    fitting = [heads for heads in range(1, heads_per_row + 1)
+               if heads_per_row % heads == 0 and heads * 16 <= block_m] or [1]
+    return min(fitting, key=lambda heads: (rows_per_tile(heads), -heads))
 
 
 @triton.jit
@@ -384,8 +406,8 @@ def sparse_prefill(
     )
     warps = launch_settings(max(head_dim, head_dim_v))["num_warps"]
     for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
-        heads_per_prog = heads_per_program(heads_per_row, 16, block_m)
-        queries_per_prog = max(1, min(next_power_of_2(query_tile), block_m // heads_per_prog))
+        heads_per_prog = program_heads(heads_per_row, query_tile, block_m)
+        queries_per_prog = queries_per_program(heads_per_prog, query_tile, block_m)
         rows = max(16, next_power_of_2(heads_per_prog * queries_per_prog))
         subtiles = cdiv(query_tile, queries_per_prog)
         num_tiles = selection.num_query_tiles

@@ -31,7 +31,8 @@ class XAttnMethod:
     #: ``A / d`` part), the per-tile selection and the call's launches about linear (the ``B`` part). Fitted on
     #: the H100 (bf16) to the kernels' shares at 128K (`benchmarks/bench_attention.py --crossover`: head dim 64
     #: 0.40, head dim 128 0.17) and to SmolLM2's real-model prefill at 32K (head dim 64), where XAttention at
-    #: density 0.17 took 1.7x sdpa's time: its launches and reads weigh more than the kernels alone show.
+    #: density 0.17 took 1.7x sdpa's time: its launches and reads weigh more than the kernels alone show. Both at
+    #: ``stride`` 8; the scores' part scales with ``8 / stride`` (a stride of 16 reads half the products).
     SHARE_SCORES = 17.8
     SHARE_SELECTION = 1.2e8
 
@@ -40,7 +41,8 @@ class XAttnMethod:
 
     def selection_share(self, num_queries: int, head_dim: int) -> float:
         """Estimated prefill selection time for ``num_queries`` queries, as a share of dense attention's."""
-        return self.SHARE_SCORES / head_dim + self.SHARE_SELECTION / (max(1, num_queries) * head_dim ** 2)
+        scores = self.SHARE_SCORES * 8 / (self.config.stride * head_dim)
+        return scores + self.SHARE_SELECTION / (max(1, num_queries) * head_dim ** 2)
 
     def density_floor(self, num_queries: int, key_length: int) -> float:
         """The least prefill density XAttention's threshold may leave: a mass threshold has no minimum block
