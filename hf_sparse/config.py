@@ -275,7 +275,7 @@ class XAttnConfig(_MethodConfig):
             about ``1/S`` of the dense score cost (a power of two dividing ``block_size``; 1 scores exactly). 16
             (the paper: 8): on SmolLM2 at 128K the prefill runs 1.59x sdpa's speed against 1.42x at 8, with the
             last position's KL 0.003 against 0.014; at 8K and 32K, at matched density, its next-token KL is
-            1.0-1.2x stride 8's and at most 0.96x PLAS's (docs/xattn.md, "Stride").
+            1.0-1.2x stride 8's and at most PLAS's (docs/xattn.md, "Stride").
         pool: how the ``S`` query-key products of one antidiagonal become the score of a (query group, key group):
             ``"mean"`` (the XAttention paper's) or ``"max"``. A mean of logits averages a single strongly attended
             key away, so per query head the mean's selection keeps less true attention mass than the exact block
