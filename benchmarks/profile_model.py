@@ -503,12 +503,15 @@ def layers(args, loaded) -> None:
 
     from _common import best_sdpa, median_ms, sparse_config, write_json
 
+    methods = {name: sparse_config(name) for name in args.methods}
+    others = [name for name, config in methods.items() if config is None or config.method not in ("plas", "xattn")]
+    if others:
+        raise SystemExit(f"layers: --methods takes plas and xattn variants (their block selections), not {others}")
     ids = loaded.prompt(args.length)
     kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     with attention_probe(loaded.model, lambda module, q, k, v, mask: kept.append((q, k, v))), torch.no_grad():
         loaded.model(input_ids=ids, logits_to_keep=1)
     kv_start = RowLayout.uniform(1, "cuda")
-    methods = {name: sparse_config(name) for name in args.methods}
     rows = []
     for layer, (query, key, value) in enumerate(kept):
         if args.only and layer not in args.only:
