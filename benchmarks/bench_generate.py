@@ -4,10 +4,10 @@
 Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls (each after one
 untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
 * TTFT: wall time of generate(max_new_tokens=1), median of --ttft-rounds rounds in which each method runs once,
-  in turn (the order rotating by one each round), after all are warm: the host's speed drifts by tens of percent
-  over a minute (a short prompt's prefill is bound by the host's launches), and interleaving lets that drift hit
-  every method alike. Its ratio is a speed-up against "sdpa": the median over the rounds of sdpa's TTFT / this
-  method's in the same round.
+  in turn (a Williams design: each method at each position and right after each other method equally often),
+  after all are warm: the host's speed drifts by tens of percent over a minute (a short prompt's prefill is bound
+  by the host's launches), and interleaving lets that drift hit every method alike. Its ratio is a speed-up
+  against "sdpa": the median over the rounds of sdpa's TTFT / this method's in the same round.
 * TPOT@N: median over pairs of (wall time of generate(max_new_tokens=N) - that of generate(max_new_tokens=1) run just
   before it) / (N - 1), for each N of --tpot-tokens (N < 64 takes 64 / N times --repeats pairs: the noise of one
   TTFT is a larger part of few tokens). So it includes each call's first decode step and whatever a call pays once
@@ -148,14 +148,27 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
     return row
 
 
+def round_orders(methods: list[str], rounds: int) -> list[list[str]]:
+    """The order of the methods in each TTFT round: the rows of a Williams design (a Latin square, and its mirror
+    for an odd number of methods), cycled, so that each method runs at each position equally often and right after
+    each other method equally often (a plain rotation put the same method before each one every round: 61-round
+    runs at 8K had plas at 0.97x sdpa's when it followed sdpa, 0.99x when it followed xattn)."""
+    count = len(methods)
+    first = [0] + [(k + 1) // 2 if k % 2 else count - k // 2 for k in range(1, count)]
+    design = [[(index + shift) % count for index in first] for shift in range(count)]
+    if count % 2:
+        design += [row[::-1] for row in design]
+    return [[methods[index] for index in design[round_index % len(design)]] for round_index in range(rounds)]
+
+
 @torch.no_grad()
 def interleaved_ttft(model, ids: torch.Tensor, methods: list[str], rounds: int) -> dict[str, list[float]]:
-    """TTFT of each method in each of ``rounds`` rounds of one generate(max_new_tokens=1) per method; the order
-    of the methods rotates from round to round, so a drift of the host's speed within a round favours none."""
+    """TTFT of each method in each of ``rounds`` rounds of one generate(max_new_tokens=1) per method, in the
+    orders of :func:`round_orders`: a drift of the host's speed within a round, and what a call pays after another
+    method's, favour none."""
     seconds = {method: [] for method in methods}
-    for round_index in range(rounds):
-        shift = round_index % len(methods)
-        for method in methods[shift:] + methods[:shift]:
+    for order in round_orders(methods, rounds):
+        for method in order:
             use_method(model, method)
             extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
             seconds[method].append(timed_generate(model, ids, 1, **extra)[0])

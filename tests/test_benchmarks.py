@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _common import sparse_config  # noqa: E402
-from bench_generate import add_ratios  # noqa: E402
+from bench_generate import add_ratios, round_orders  # noqa: E402
 
 
 @pytest.mark.parametrize("value", ["False", "false"])
@@ -84,3 +84,20 @@ def test_probe_layers_names_each_decision():
     assert cell(LayerRecord(8, "prefill", probe)) == "8:P0.712"
     assert cell(LayerRecord(9, "prefill", "density 0.801 >= dense_above_density 0.75")) == "9:F0.801"
     assert cell(LayerRecord(29, "prefill", "dense_layers")) == "29:D"
+
+
+@pytest.mark.parametrize("methods", [["sdpa", "plas"], ["sdpa", "plas", "xattn"],
+                                     ["sdpa", "sdpa-static", "plas", "xattn"], ["a", "b", "c", "d", "e"]])
+def test_round_orders_balance_predecessors_and_positions(methods):
+    count = len(methods)
+    period = count if count % 2 == 0 else 2 * count
+    orders = round_orders(methods, 2 * period)
+    assert orders[:period] == orders[period:]  # the design repeats
+    assert all(sorted(order) == sorted(methods) for order in orders)
+    before = {(a, b): 0 for a in methods for b in methods if a != b}
+    for order in orders[:period]:
+        for a, b in zip(order, order[1:]):
+            before[(a, b)] += 1
+    assert set(before.values()) == {period * (count - 1) // len(before)}, before
+    for square in (orders[:count], orders[count:period]):  # each method at each position once per square
+        assert all(sorted(order[i] for order in square) == sorted(methods) for i in range(count) if square)
