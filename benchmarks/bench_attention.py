@@ -20,7 +20,8 @@ replays, GPU time without Python launch overhead):
   int8 cache stores them, and token-major).
 * XAttention prefill (``--xattn [LENGTHS]``, default 32768 131072; ``--xattn-sharpness S ...``: inputs whose
   keys lean harder to their block, i.e. attention mass held by fewer blocks): ``XAttnMethod.select_prefill``
-  (threshold 0.9, stride 8, one selection row per KV head), the scoring kernel alone, then the same attention.
+  (threshold 0.9, ``--xattn-stride``: the config's default, one selection row per KV head), the scoring kernel
+  alone, then the same attention.
 * PLAS decode at each ``--decode`` length and ``--decode-batches`` batch: one layer's decode step as the cache
   runs it (summary of the partial last block, selection, split-K attention), eager and graph, with int8 K/V.
 * ``--tune``: launch settings (the ``TUNING`` dict of ``hf_sparse.kernels.sparse_prefill``, ``select_blocks``
@@ -267,8 +268,10 @@ def prefill_row(length: int, flex, grids: dict | None) -> dict:
     return row
 
 
-def xattn_row(length: int, flex, sharpness: float, threshold: float = 0.9, stride: int = 8) -> dict:
-    """XAttention prefill on the structured inputs: scoring + threshold selection, then the sparse attention."""
+def xattn_row(length: int, flex, sharpness: float, threshold: float = 0.9, stride: int | None = None) -> dict:
+    """XAttention prefill on the structured inputs: scoring + threshold selection, then the sparse attention
+    (``stride``: ``XAttnConfig``'s default when None)."""
+    stride = XAttnConfig().stride if stride is None else stride
     query, key, value = structured_qkv(1, length, length, sharpness=sharpness, shape=SHAPE)
     kv_start = RowLayout.uniform(1, "cuda")
     method = METHODS["xattn"](XAttnConfig(block_size=BLOCK, stride=stride, threshold=threshold))
@@ -422,8 +425,9 @@ def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> Non
                        ("int8 token-major", ms("attend_int8_tokens_ms")),
                        ("vs bf16", ratio("attend_ms", "attend_int8_tokens_ms"))], prefill_rows))
     if xattn_rows:
-        print("\nXAttention prefill, batch 1, causal, threshold 0.9, stride 8, one selection per KV head (ms); "
-              "scoring = the Triton scoring kernel alone, select = select_prefill (scoring in 16K-query chunks, "
+        strides = "/".join(str(stride) for stride in sorted({row["stride"] for row in xattn_rows}))
+        print(f"\nXAttention prefill, batch 1, causal, threshold 0.9, stride {strides}, one selection per KV head "
+              "(ms); scoring = the Triton scoring kernel alone, select = select_prefill (scoring in 16K-query chunks, "
               "threshold, GQA union)")
         print(table(shared[:1] + [("sharpness", ms("sharpness", ".1f"))] + shared[1:]
                     + [("scoring", ms("score_kernel_ms")), ("select", ms("select_ms")), ("attend", ms("attend_ms"))]
@@ -688,6 +692,8 @@ def main() -> None:
                         help="also XAttention prefill rows at these lengths (no value: 32768 131072)")
     parser.add_argument("--xattn-sharpness", type=float, nargs="+", default=[1.0],
                         help="XAttention rows on inputs of these key-block sharpnesses (default: %(default)s)")
+    parser.add_argument("--xattn-stride", type=int, default=XAttnConfig().stride,
+                        help="antidiagonal stride of the XAttention rows (default: %(default)s, XAttnConfig's)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compilation takes a while)")
     parser.add_argument("--tune", action="store_true",
                         help="sweep the kernels' launch settings at the last prefill and decode length")
@@ -746,7 +752,7 @@ def main() -> None:
             progress(f"prefill {json.dumps(results['prefill'][-1])}")
         for length in [32768, 131072] if args.xattn == [] else args.xattn or []:
             for sharpness in args.xattn_sharpness:
-                results["xattn"].append(fresh(xattn_row(length, flex, sharpness)))
+                results["xattn"].append(fresh(xattn_row(length, flex, sharpness, stride=args.xattn_stride)))
                 progress(f"xattn {json.dumps(results['xattn'][-1])}")
         for length, batch in itertools.product(args.decode, args.decode_batches):
             results["decode"].append(fresh(decode_row(length, batch, grids if length == args.decode[-1] else None)))
