@@ -521,7 +521,10 @@ def layers(args, loaded) -> None:
         scale = query.shape[-1] ** -0.5
         for name, config in methods.items():
             method = METHODS[config.method](config)
-            summaries = kernels.block_summaries(key, None, kv_start, config.block_size)
+            # PLAS scores blocks by their summaries; XAttention scores the keys themselves
+            summaries = None
+            if config.method == "plas":
+                summaries = kernels.block_summaries(key, None, kv_start, config.block_size)
 
             def select(method=method, summaries=summaries):
                 return method.select_prefill(query, summaries, key, scale=scale, q_offset=0, kv_start=kv_start)
