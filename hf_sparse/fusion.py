@@ -37,8 +37,15 @@ from .kernels._common import DECODE_LINEAR_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
-#: Class-name endings of the modules whose forward is compiled: per-layer norms and dense MLPs.
-_FUSED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP")
+#: Class-name endings of the modules whose forward is compiled: per-layer norms and dense MLPs, and the model's rotary
+#: embedding (:func:`rotary_call`).
+_FUSED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP", "RotaryEmbedding")
+#: Rope types whose embedding changes the module's frequencies as the positions grow (transformers'
+#: ``dynamic_rope_update``): their steps run the module's own forward.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+#: Per (rotary class, rope type): whether :func:`rotary_embedding` gave the class's own forward's tables, bit for bit.
+_ROTARY_CHECKED: dict[tuple[type, Any], bool] = {}
+_ROTARY_KEY = ("hf_sparse.fusion", "rotary_embedding")
 #: Mixture-of-experts blocks route tokens by data-dependent indexing; they stay eager.
 _EAGER_MARKERS = ("Moe", "MoE", "Sparse", "Expert")
 
@@ -85,6 +92,72 @@ def _run(key: Any, eager: Any, name: str, *args: Any, **kwargs: Any) -> Any:
 def _fused_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     cls = type(module)
     return _run(cls, cls.forward, cls.__name__, module, *args, **kwargs)
+
+
+def rotary_embedding(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: float,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin tables ``[B, S, 2F]`` of transformers' rotary embedding for ``position_ids`` ``[B, S]``
+    and frequencies ``inv_freq`` ``[F]``, their position-frequency product written as the elementwise product it
+    is (transformers up to 5.17 writes it as a float32 matrix product of inner size one: a cuBLAS call)."""
+    freqs = position_ids[:, :, None].float() * inv_freq[None, None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _rotary_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The states and 2D position ids of a rotary embedding call ``(x, position_ids)``, the ids positional or by
+    name; None for any other call."""
+    if len(args) == 2 and not kwargs:
+        x, position_ids = args
+    elif len(args) == 1 and list(kwargs) == ["position_ids"]:
+        x, position_ids = args[0], kwargs["position_ids"]
+    else:
+        return None
+    if not isinstance(x, torch.Tensor) or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        return None
+    return x, position_ids
+
+
+def _elementwise_rotary(module: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the module's tables for ``inputs`` (:func:`_rotary_inputs`) are :func:`rotary_embedding` of its
+    frequencies: a rope type with fixed frequencies, of a class whose own forward gave the same tables, bit for bit,
+    the first time (checked once per class and rope type, outside graph capture)."""
+    rope_type = getattr(module, "rope_type", "default")
+    inv_freq, scaling = getattr(module, "inv_freq", None), getattr(module, "attention_scaling", None)
+    if (inputs is None or not isinstance(rope_type, str) or rope_type in _DYNAMIC_ROPE
+            or not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1 or isinstance(scaling, bool)
+            or not isinstance(scaling, (int, float))):
+        return False
+    key = (type(module), rope_type)
+    if key not in _ROTARY_CHECKED:
+        x, position_ids = inputs
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        # On the CPU (the formula is what is checked): the module's own forward on the GPU would call cuBLAS on the
+        # capture stream, which is what this replaces.
+        positions, states = position_ids.cpu(), torch.zeros(1, dtype=x.dtype)
+        try:
+            own = type(module).forward(module, states, positions)
+        except Exception:  # noqa: BLE001 - a forward that does not take CPU tables: its own forward runs
+            own = None
+        ours = rotary_embedding(inv_freq.cpu(), positions, scaling, x.dtype)
+        _ROTARY_CHECKED[key] = (isinstance(own, tuple) and len(own) == 2
+                                and all(torch.equal(a, b) for a, b in zip(own, ours)))
+        if not _ROTARY_CHECKED[key]:
+            logger.debug("%s (%s): tables differ from rotary_embedding's; its own forward runs", *key)
+    return _ROTARY_CHECKED[key]
+
+
+def rotary_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A rotary embedding module's call in a captured step: :func:`rotary_embedding` compiled where it computes the
+    module's own tables (:func:`_elementwise_rotary`), else the module's compiled forward."""
+    inputs = _rotary_inputs(args, kwargs)
+    if _elementwise_rotary(module, inputs):
+        x, position_ids = inputs
+        _compiled_function(_ROTARY_KEY, rotary_embedding)
+        return _run(_ROTARY_KEY, rotary_embedding, "the rotary embedding", module.inv_freq, position_ids,
+                    float(module.attention_scaling), x.dtype)
+    return _fused_call(module, *args, **kwargs)
 
 
 #: Decoder layer classes whose forward :func:`fused_layer_forward` computes (read in transformers 5.17-5.24: the
@@ -182,16 +255,47 @@ def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *ar
     return x.view(batch, steps, hidden)
 
 
+def fusable_head(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (a model's output embeddings) may run :func:`head_forward`: a plain ``nn.Linear`` of plain
+    contiguous tensors without hooks."""
+    tensors = [module.weight] + ([module.bias] if getattr(module, "bias", None) is not None else [])
+    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
+            and all(type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
+                    and tensor.device.type != "meta" for tensor in tensors)
+            and not any(_foreign_hook(hook) for hook in (*module._forward_hooks.values(),
+                                                         *module._forward_pre_hooks.values())))
+
+
+def head_forward(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The output head's product (``lm_head``) for a decode step's few rows as one
+    :func:`hf_sparse.kernels.decode_linear` launch; other inputs run the layer's own forward."""
+    rows = x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
+    if not 1 <= rows <= DECODE_LINEAR_MAX_ROWS or x.dtype != head.weight.dtype or x.device != head.weight.device:
+        return type(head).forward(head, x)
+    flat = x.reshape(rows, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return kernels.decode_linear(flat, [head.weight], [head.bias]).view(*x.shape[:-1], head.weight.shape[0])
+
+
 @contextlib.contextmanager
 def fused_modules(model: torch.nn.Module, enabled: bool = True, layers: bool = True) -> Iterator[int]:
-    """Within the block, ``model``'s Llama-style decoder layers run :func:`fused_layer_forward` (unless ``layers`` is
-    False), its other norms and dense MLPs compiled forwards (:func:`fusable`), and its modeling module's rotary
-    embedding a compiled function;
+    """Within the block, ``model``'s Llama-style decoder layers run :func:`fused_layer_forward` and its output head
+    :func:`head_forward` (unless ``layers`` is False), its other norms, dense MLPs and rotary embedding compiled
+    forwards (:func:`fusable`), and its modeling module's rotary function a compiled function;
     yields how many modules and functions were swapped. Modules whose ``forward`` is already an instance attribute
-    (another library's hook) are left alone."""
+    (another library's hook) are left alone.
+
+    A step of a model whose layers all fuse then calls no cuBLAS routine (the rotary embedding through
+    :func:`rotary_call`): cuBLAS keeps a workspace per stream it runs on for the process's life (32 MiB on Hopper),
+    and the capture stream's would be memory that dense decode does not hold."""
     swapped, functions = [], []
     try:
         if enabled:
+            head = model.get_output_embeddings() if layers and hasattr(model, "get_output_embeddings") else None
+            if isinstance(head, torch.nn.Module) and fusable_head(head):
+                head.__dict__["forward"] = functools.partial(head_forward, head)
+                swapped.append(head)
             for module in model.modules():
                 if "forward" in module.__dict__:
                     continue
@@ -199,7 +303,8 @@ def fused_modules(model: torch.nn.Module, enabled: bool = True, layers: bool = T
                     module.__dict__["forward"] = functools.partial(fused_layer_forward, module)
                     swapped.append(module)
                 elif fusable(module) and _compiled_forward(type(module)) is not None:
-                    module.__dict__["forward"] = functools.partial(_fused_call, module)
+                    rotary = type(module).__name__.endswith("RotaryEmbedding")
+                    module.__dict__["forward"] = functools.partial(rotary_call if rotary else _fused_call, module)
                     swapped.append(module)
             for namespace in {sys.modules.get(type(module).__module__) for module in model.modules()} - {None}:
                 for name in _FUSED_FUNCTIONS:

@@ -76,7 +76,8 @@ def _note_recording() -> None:
 
 #: The side stream of every warm-up and capture on a device, shared by all models: cuBLAS keeps a workspace per
 #: stream it runs on (32 MiB on Hopper, held for the process's life), so a stream per model or per cache would
-#: hold one such workspace each.
+#: hold one such workspace each; the steps of models whose layers all fuse call no cuBLAS routine and leave this
+#: stream none (:func:`hf_sparse.fusion.fused_modules`).
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

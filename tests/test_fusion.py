@@ -19,6 +19,7 @@ def eager_backend(monkeypatch):
     """Compile with dynamo's "eager" backend (tracing, no code generation): fast, no C++ compiler needed; the
     swap and fallback logic is what these tests check."""
     monkeypatch.setattr(fusion, "_COMPILED", {})
+    monkeypatch.setattr(fusion, "_ROTARY_CHECKED", {})
     monkeypatch.setattr(fusion, "_compiled_forward", lambda cls: fusion._COMPILED.setdefault(
         cls, torch.compile(cls.forward, backend="eager", dynamic=False, fullgraph=True)))
     monkeypatch.setattr(fusion, "_compiled_function", lambda key, function: fusion._COMPILED.setdefault(
@@ -31,8 +32,10 @@ def eager_backend(monkeypatch):
 def test_fusable_modules_of_a_llama():
     model = build(tiny_config(layers=2), "plas")
     names = sorted({type(m).__name__ for m in model.modules() if fusion.fusable(m)})
-    assert names == ["LlamaMLP", "LlamaRMSNorm"]
-    assert sum(fusion.fusable(m) for m in model.modules()) == 2 * 3 + 1  # two norms and an MLP per layer, final norm
+    assert names == ["LlamaMLP", "LlamaRMSNorm", "LlamaRotaryEmbedding"]
+    # two norms and an MLP per layer, the final norm, the rotary embedding
+    assert sum(fusion.fusable(m) for m in model.modules()) == 2 * 3 + 1 + 1
+    assert fusion.fusable_head(model.lm_head)
 
 
 def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend):
@@ -44,8 +47,10 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         with fusion.fused_modules(model) as swapped:
-            assert swapped == 2 + 7 + 1  # two layers whole, the norms and MLPs, modeling_llama.apply_rotary_pos_emb
+            # two layers whole, the norms and MLPs, the rotary embedding, the head, modeling_llama.apply_rotary_pos_emb
+            assert swapped == 2 + 7 + 1 + 1 + 1
             assert all("forward" in m.__dict__ for m in model.modules() if fusion.fusable(m))
+            assert "forward" in model.lm_head.__dict__
             assert modeling.apply_rotary_pos_emb is not rotary
             fused = model(input_ids=ids).logits
         assert not any("forward" in m.__dict__ for m in model.modules())
@@ -54,8 +59,53 @@ def test_fused_modules_compute_the_eager_forward_and_are_restored(eager_backend)
         with fusion.fused_modules(model, enabled=False) as swapped:
             assert swapped == 0
         with fusion.fused_modules(model, layers=False) as swapped:  # decode_fused_layers=False
-            assert swapped == 7 + 1 and not any("forward" in layer.__dict__ for layer in model.model.layers)
+            assert swapped == 7 + 1 + 1 and not any("forward" in layer.__dict__ for layer in model.model.layers)
+            assert "forward" not in model.lm_head.__dict__
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_rotary_embedding_in_steps_computes_the_modules_own_tables(eager_backend, monkeypatch, arch):
+    """In a captured step the rotary embedding runs fusion.rotary_embedding (its position-frequency product
+    elementwise: no cuBLAS call), checked once per class and rope type against the module's own forward, equal bit
+    for bit; a dynamic rope type, or a call with other arguments, runs the module's own forward."""
+    model = build(tiny_config(arch, layers=1), "plas")
+    rotary = model.model.rotary_emb
+    x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.bfloat16)
+    positions = torch.tensor([[7, 8, 9, 10, 11], [300, 301, 302, 303, 304]])
+    own = rotary(x, positions)
+    rotary_embedding = fusion.rotary_embedding
+    tables = rotary_embedding(rotary.inv_freq, positions, rotary.attention_scaling, x.dtype)
+    assert all(torch.equal(a, b) for a, b in zip(tables, own))
+    calls = []
+    monkeypatch.setattr(fusion, "rotary_embedding", lambda *a: calls.append(1) or rotary_embedding(*a))
+    with fusion.fused_modules(model), torch.no_grad():
+        assert "forward" in rotary.__dict__
+        model(input_ids=torch.arange(6)[None])  # the model's own call (position ids by name in Llama's)
+        assert fusion._ROTARY_CHECKED == {(type(rotary), rotary.rope_type): True} and len(calls) == 2
+        fused = rotary(x, positions)
+        assert fusion._ROTARY_KEY in fusion._COMPILED and len(calls) == 3
+        rotary.rope_type = "dynamic"
+        try:
+            dynamic = rotary(x, positions)
+        finally:
+            rotary.rope_type = "default"
+        assert len(fusion._ROTARY_CHECKED) == 1 and type(rotary) in fusion._COMPILED  # the module's compiled forward
+    assert all(torch.equal(a, b) for a, b in zip(fused, own)) and all(torch.equal(a, b) for a, b in zip(dynamic, own))
+
+
+def test_a_rotary_class_whose_tables_differ_runs_its_own_forward(eager_backend, monkeypatch):
+    model = build(tiny_config(layers=1), "plas")
+    rotary = model.model.rotary_emb
+    x = torch.randn(1, 3, model.config.hidden_size)
+    positions = torch.arange(3)[None]
+    monkeypatch.setattr(rotary, "attention_scaling", 1.0)
+    own = rotary(x, positions)
+    monkeypatch.setattr(fusion, "rotary_embedding", lambda *args: tuple(t + 1 for t in own))
+    with fusion.fused_modules(model):
+        tables = rotary(x, positions)
+    assert fusion._ROTARY_CHECKED == {(type(rotary), "default"): False}
+    assert all(torch.equal(a, b) for a, b in zip(tables, own))
 
 
 @pytest.mark.parametrize("arch, bias", [("llama", False), ("llama", True), ("mistral", False), ("qwen2", True)])
@@ -85,10 +135,10 @@ def test_fused_layer_forward_equals_the_layers_own(eager_backend, monkeypatch, a
             expected = model(input_ids=step, **{CACHE_KWARG: caches[0]}).logits
             with fusion.fused_modules(model):
                 got = model(input_ids=step, **{CACHE_KWARG: caches[1]}).logits
-                assert len(calls) == 4 * 2
+                assert len(calls) == 4 * 2 + 1  # four per layer, the head
                 long_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
-                long_fused = model(input_ids=long_ids).logits  # 80 rows: the layers' own forward
-                assert len(calls) == 4 * 2
+                long_fused = model(input_ids=long_ids).logits  # 80 rows: the layers' and the head's own forward
+                assert len(calls) == 4 * 2 + 1
                 layer = model.model.layers[0]
                 hidden = torch.randn(1, 1, config.hidden_size)
                 with pytest.raises(TypeError):  # positional arguments beyond the states: the layer's own forward
@@ -148,7 +198,7 @@ def test_a_class_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
     assert fusion._COMPILED[norm_class] is None  # not tried again
     assert "LlamaRMSNorm runs eagerly" in caplog.text
     with fusion.fused_modules(model) as swapped:  # the failed class is no longer swapped
-        assert swapped == 2  # the layer whole (fused_layer_forward) and its MLP; no norm
+        assert swapped == 4  # the layer whole (fused_layer_forward), its MLP, the rotary embedding, the head; no norm
 
 
 def test_nested_swaps_restore_the_original_rotary_function(eager_backend):
