@@ -37,11 +37,17 @@ def call_phase(num_queries: int, key_length: int) -> str:
     return "decode" if num_queries <= DECODE_MAX_QUERY and key_length > num_queries else "prefill"
 
 def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, rows: RowLayout,
-               block_size: int, dtype: torch.dtype) -> torch.Tensor:
+               block_size: int, dtype: torch.dtype, num_queries: int) -> torch.Tensor:
     """Block summaries of a call's keys: those the SparseCache layer keeps when its blocks are the method's,
-    else computed (an int8 cache's keys dequantised to ``dtype`` by the summary op)."""
+    else computed (an int8 cache's keys dequantised to ``dtype`` by the summary op). A sequence's first call
+    (a prefill: its queries are all the cache holds) with no summaries kept computes them for itself alone: the
+    cache makes its storage at the first decode step (``SparseCacheLayer._summary_buffer``), so the prefill's
+    peak memory holds no summaries of earlier layers."""
     if cache_layer is not None and cache_layer.block_size == block_size:
-        return cache_layer.block_summaries(gate, rows)
+        if cache_layer.summary_storage is not None or num_queries != cache_layer.length:
+            return cache_layer.block_summaries(gate, rows)
+        if cache_layer.row_layout is None:
+            cache_layer.set_padding(rows)
     if getattr(cache_layer, "quantized", False):
         return kernels.block_summaries(key, gate, rows, block_size, key_scale=cache_layer.key_scales, dtype=dtype)
     return kernels.block_summaries(key, gate, rows, block_size)
@@ -221,7 +227,7 @@ def all_blocks_selection(cache_layer: Any, kv_heads: int, num_queries: int) -> B
     kernel, CUDA-graph safe): in a captured step the layer's append wrote the counts (no launch here), else
     they are computed from its device length."""
     block_size = cache_layer.block_size
-    num_blocks = cache_layer.summary_storage.shape[2]
+    num_blocks = cache_layer.capacity // block_size
     device = cache_layer.device_length.device
     ids = _ALL_BLOCKS.get((device, num_blocks))
     if ids is None:
@@ -390,7 +396,7 @@ def sparse_attention_forward(
         cache_layer.summarize_full_blocks(gate, num_queries)  # those a dense prefill left
         summaries = cache_layer.recent_block_summaries(gate, num_queries)
     else:
-        summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype)
+        summaries = _summaries(key, cache_layer, gate, rows, config.block_size, query.dtype, num_queries)
     if falls_back and num_queries >= 4 * PROBE_QUERIES:
         def select_run(run_query, run_key, run_key_scale, run_offset):
             return select(run_query, summaries, run_key, scale=scale, q_offset=run_offset, kv_start=rows,

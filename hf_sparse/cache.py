@@ -185,15 +185,16 @@ class SparseCacheLayer(CacheLayerMixin):
                 key_scales[:, :, : self.length] = self.key_scale_storage[:, :, : self.length]
                 value_scales[:, :, : self.length] = self.value_scale_storage[:, :, : self.length]
             self.key_scale_storage, self.value_scale_storage = key_scales, value_scales
-        summaries = torch.zeros(batch, heads, new_capacity // self.block_size, key_states.shape[-1],
-                                dtype=torch.float32, device=key_states.device)
         if self.length:
             keys[:, :, : self.length] = self.key_storage[:, :, : self.length]
             kept = reference.leading_values(self.value_storage, self.length)
             values[:, :, : kept.shape[2]] = kept
         if self.summary_storage is not None:
+            summaries = self.summary_storage.new_zeros(batch, heads, new_capacity // self.block_size,
+                                                       key_states.shape[-1])
             summaries[:, :, : self.summary_storage.shape[2]] = self.summary_storage
-        self.key_storage, self.value_storage, self.summary_storage = keys, values, summaries
+            self.summary_storage = summaries
+        self.key_storage, self.value_storage = keys, values
         self.capacity = new_capacity
         self.version += 1
 
@@ -288,6 +289,7 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.row_layout is None:
             self.set_padding(row_layout)
         row_layout = self.row_layout
+        self._summary_buffer()
         least_pad, most_pad = row_layout.low, row_layout.high
         full_blocks = max(0, self.length - most_pad) // self.block_size
         total_blocks = -(-(self.length - least_pad) // self.block_size)
@@ -297,6 +299,18 @@ class SparseCacheLayer(CacheLayerMixin):
         if total_blocks > full_blocks:
             self._summarize(gate_weight, row_layout, full_blocks, total_blocks)
         return self.summary_storage[:, :, :total_blocks]
+
+    def _summary_buffer(self) -> torch.Tensor:
+        """The summary storage ``[B, H, capacity // block_size, D]`` (float32), made at its first use: a prefill
+        summarises its keys for its own call only (:func:`hf_sparse.attention`), so the storage exists from the first
+        decode step on, after the prefill's activations are gone, and adds nothing to a generate()'s peak memory."""
+        if self.summary_storage is None:
+            batch, heads, _, dim = self.key_storage.shape
+            self.summary_storage = torch.zeros(batch, heads, self.capacity // self.block_size, dim,
+                                               dtype=torch.float32, device=self.key_storage.device)
+            self.summarized_blocks = 0
+            self.version += 1
+        return self.summary_storage
 
     def summarize_full_blocks(self, gate_weight: torch.Tensor | None, recent: int) -> None:
         """Before :meth:`recent_block_summaries` (which rewrites the blocks holding the last ``recent`` tokens):
@@ -342,7 +356,7 @@ class SparseCacheLayer(CacheLayerMixin):
         return the whole summary storage ``[B, H, capacity // block_size, D]``. Earlier blocks were summarised
         by :meth:`block_summaries` (prefill) or by earlier calls."""
         return kernels.recent_block_summaries(self.key_storage, gate_weight, self.row_layout, self.block_size,
-                                              self.device_length, recent, self.summary_storage,
+                                              self.device_length, recent, self._summary_buffer(),
                                               key_scale=self.key_scale_storage, dtype=self.dtype)
 
     def _summarize(self, gate_weight: torch.Tensor | None, row_layout: RowLayout, first: int, end: int) -> None:
@@ -397,7 +411,8 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.quantized:
             self.key_scale_storage = fn(self.key_scale_storage)
             self.value_scale_storage = fn(self.value_scale_storage)
-        self.summary_storage = fn(self.summary_storage)
+        if self.summary_storage is not None:
+            self.summary_storage = fn(self.summary_storage)
         if self.row_layout is not None:  # rows selected or repeated: their range is read again (one host read)
             self.row_layout = self._kept_layout = RowLayout.read(fn(self.row_layout.starts))
         self._kept_source = None  # the kept layout no longer is the one a caller passed

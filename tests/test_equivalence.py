@@ -151,6 +151,44 @@ def test_cache_summaries_match_recomputation_after_many_steps():
         torch.testing.assert_close(cached, recomputed, atol=1e-6, rtol=1e-6)
 
 
+def test_a_prefill_keeps_no_summaries_and_the_first_decode_step_makes_them():
+    """A sparse prefill summarises its keys for its own call: the cache holds no summary storage until the first
+    decode step (nothing of it in the prefill's peak memory), which summarises every full block; the outputs are
+    those of summaries kept from the prefill (the same values)."""
+    from hf_sparse.cache import CACHE_KWARG, SparseCache
+
+    model = build(tiny_config("llama", 4, 2), "plas")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3),
+                                                    dense_below=0, dense_layers=(), query_union=16))
+    ids = torch.randint(3, 128, (2, 150), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    step = torch.randint(3, 128, (2, 1), generator=torch.Generator().manual_seed(5))
+    cache = SparseCache(model.config, block_size=16)
+    with torch.no_grad(), hf_sparse.record_sparsity() as recorder:
+        model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache})
+        assert recorder.density("prefill") < 1.0  # the prefill ran sparse (it summarised)
+        assert all(layer.summary_storage is None for layer in cache.layers)
+        logits = model(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
+                       **{CACHE_KWARG: cache}).logits
+    for layer in cache.layers:
+        assert layer.summary_storage is not None and layer.summarized_blocks == (151 - 5) // 16
+        torch.testing.assert_close(layer.summary_storage[:, :, : layer.summarized_blocks],
+                                   ref.block_summaries(layer.key_storage[:, :, :151], None, torch.tensor([0, 5]),
+                                                       16)[:, :, : layer.summarized_blocks], atol=1e-6, rtol=1e-6)
+    # the same step over a cache whose prefill kept its summaries (allocated before the prefill)
+    kept = SparseCache(model.config, block_size=16)
+    with torch.no_grad():
+        model(input_ids=ids[:, :1], attention_mask=mask[:, :1], **{CACHE_KWARG: kept})
+        kept.crop(-1)  # empty, storage kept
+        for layer in kept.layers:
+            layer._summary_buffer()
+        model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: kept})
+        expected = model(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
+                         **{CACHE_KWARG: kept}).logits
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-6)
+
+
 def test_cache_grows_by_chunks_and_supports_batch_ops():
     layer = hf_sparse.cache.SparseCacheLayer(block_size=16, chunk_blocks=2)
     k = torch.randn(2, 2, 5, 8)
