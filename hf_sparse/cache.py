@@ -303,13 +303,17 @@ class SparseCacheLayer(CacheLayerMixin):
     def _summary_buffer(self) -> torch.Tensor:
         """The summary storage ``[B, H, capacity // block_size, D]`` (float32), made at its first use: a prefill
         summarises its keys for its own call only (:func:`hf_sparse.attention`), so the storage exists from the first
-        decode step on, after the prefill's activations are gone, and adds nothing to a generate()'s peak memory."""
+        decode step on, after the prefill's activations are gone, and adds nothing to a generate()'s peak memory.
+        Made once per layer (no ``version`` change: a graph that reads it is captured after a warm-up step of the
+        same graph key, which made it), never while a graph captures."""
         if self.summary_storage is None:
+            if capturing(self.key_storage.device):
+                raise RuntimeError("hf_sparse: a cache layer's block summaries were first needed inside a CUDA graph "
+                                   "capture")
             batch, heads, _, dim = self.key_storage.shape
             self.summary_storage = torch.zeros(batch, heads, self.capacity // self.block_size, dim,
                                                dtype=torch.float32, device=self.key_storage.device)
             self.summarized_blocks = 0
-            self.version += 1
         return self.summary_storage
 
     def summarize_full_blocks(self, gate_weight: torch.Tensor | None, recent: int) -> None:
