@@ -37,8 +37,8 @@ from .kernels._common import DECODE_LINEAR_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
-#: Class-name endings of the modules whose forward is compiled: per-layer norms and dense MLPs, and the model's rotary
-#: embedding (:func:`rotary_call`).
+#: Class-name endings of the modules swapped in captured steps: per-layer norms and dense MLPs (compiled forwards), and
+#: the model's rotary embedding (:func:`rotary_call`).
 _FUSED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP", "RotaryEmbedding")
 #: Rope types whose embedding changes the module's frequencies as the positions grow (transformers'
 #: ``dynamic_rope_update``): their steps run the module's own forward.
@@ -58,7 +58,8 @@ _COMPILED: dict[Any, Any] = {}
 
 
 def fusable(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is compiled in captured decode steps."""
+    """Whether ``module``'s forward is swapped in captured decode steps: compiled (norms, dense MLPs), or the rotary
+    embedding's :func:`rotary_call`."""
     name = type(module).__name__
     return name.endswith(_FUSED_SUFFIXES) and not any(marker in name for marker in _EAGER_MARKERS)
 
@@ -150,14 +151,15 @@ def _elementwise_rotary(module: torch.nn.Module, inputs: tuple[torch.Tensor, tor
 
 def rotary_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A rotary embedding module's call in a captured step: :func:`rotary_embedding` compiled where it computes the
-    module's own tables (:func:`_elementwise_rotary`), else the module's compiled forward."""
+    module's own tables (:func:`_elementwise_rotary`), else the module's own forward (eager: a dynamic rope type
+    branches on the positions)."""
     inputs = _rotary_inputs(args, kwargs)
     if _elementwise_rotary(module, inputs):
         x, position_ids = inputs
         _compiled_function(_ROTARY_KEY, rotary_embedding)
         return _run(_ROTARY_KEY, rotary_embedding, "the rotary embedding", module.inv_freq, position_ids,
                     float(module.attention_scaling), x.dtype)
-    return _fused_call(module, *args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 #: Decoder layer classes whose forward :func:`fused_layer_forward` computes (read in transformers 5.17-5.24: the
@@ -302,9 +304,11 @@ def fused_modules(model: torch.nn.Module, enabled: bool = True, layers: bool = T
                 if layers and fusable_layer(module):
                     module.__dict__["forward"] = functools.partial(fused_layer_forward, module)
                     swapped.append(module)
+                elif fusable(module) and type(module).__name__.endswith("RotaryEmbedding"):
+                    module.__dict__["forward"] = functools.partial(rotary_call, module)
+                    swapped.append(module)
                 elif fusable(module) and _compiled_forward(type(module)) is not None:
-                    rotary = type(module).__name__.endswith("RotaryEmbedding")
-                    module.__dict__["forward"] = functools.partial(rotary_call if rotary else _fused_call, module)
+                    module.__dict__["forward"] = functools.partial(_fused_call, module)
                     swapped.append(module)
             for namespace in {sys.modules.get(type(module).__module__) for module in model.modules()} - {None}:
                 for name in _FUSED_FUNCTIONS:
