@@ -170,9 +170,17 @@ def flex_block_mask(selection: BlockSelection, num_queries: int, length: int):
                                     full.indices.clamp_min(0), **kwargs)
 
 
-def flex_ms(flex, query, key, value, selection: BlockSelection, length: int) -> float:
+def flex_ms(flex, query, key, value, selection: BlockSelection, length: int, score_mod=None) -> float:
     block_mask = flex_block_mask(selection, length, length)
-    return median_ms(lambda: flex(query, key, value, block_mask=block_mask, scale=HEAD_DIM ** -0.5, enable_gqa=True))
+    return median_ms(lambda: flex(query, key, value, block_mask=block_mask, score_mod=score_mod,
+                                  scale=HEAD_DIM ** -0.5, enable_gqa=True))
+
+
+def flex_softcap(cap: float):
+    """FlexAttention ``score_mod`` of attention logit softcapping (``cap * tanh(score / cap)``)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return score_mod
 
 
 # -- launch-setting sweeps (--tune) ---------------------------------------------------------------------------
@@ -354,8 +362,9 @@ def decode_row(length: int, batch: int, grids: dict | None) -> dict:
     return row
 
 
-def feature_rows(length: int, batch: int) -> list[dict]:
-    """Attention time with each of :data:`FEATURES` against without, prefill (do_bench) and decode (graph)."""
+def feature_rows(length: int, batch: int, flex) -> list[dict]:
+    """Attention time with each feature against without, prefill (do_bench) and decode (graph); with ``flex``,
+    FlexAttention's prefill with the same block mask, plain and capped (``score_mod``)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     sinks = torch.randn(Q_HEADS, device="cuda", generator=gen)
     options = {"plain": {}, "softcap": {"softcap": 50.0}, "sinks": {"sinks": sinks},
@@ -384,6 +393,9 @@ def feature_rows(length: int, batch: int) -> list[dict]:
             plain_ms = plain_ms or ms
             rows.append({"phase": phase, "length": length, "batch": rows_batch, "feature": name, "ms": ms,
                          "vs_plain": ms / plain_ms, "rel_error": error})
+            if flex is not None and phase == "prefill" and name in ("plain", "softcap"):
+                rows[-1]["flex_ms"] = flex_ms(flex, query, key, value, selection, length,
+                                              flex_softcap(extra["softcap"]) if extra else None)
             progress(json.dumps(rows[-1]))
     return rows
 
@@ -395,7 +407,9 @@ def print_features(rows: list[dict]) -> None:
     print(table([("phase", lambda r: r["phase"]), ("length", lambda r: str(r["length"])),
                  ("batch", lambda r: str(r["batch"])), ("feature", lambda r: r["feature"]),
                  ("ms" , lambda r: f"{r['ms']:.3f}"), ("vs plain", lambda r: f"{r['vs_plain']:.3f}"),
-                 ("rel error", lambda r: "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}")], rows))
+                 ("rel error", lambda r: "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}"),
+                 ("Flex, same mask", lambda r: f"{r['flex_ms']:.3f}" if "flex_ms" in r else "-"),
+                 ("ms / Flex", lambda r: f"{r['ms'] / r['flex_ms']:.3f}" if "flex_ms" in r else "-")], rows))
 
 
 def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> None:
@@ -726,9 +740,14 @@ def main() -> None:
                                              "block": BLOCK, "dtype": "bfloat16"}}
     studies = (args.crossover is not None or args.int8_layouts is not None or args.select_variant
                or args.features is not None)
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention)
     if args.features is not None:
         results["features"] = [row for length in args.features or [32768, 131072]
-                                for row in fresh(feature_rows(length, args.decode_batches[0]))]
+                                for row in fresh(feature_rows(length, args.decode_batches[0], flex))]
     if args.crossover is not None:
         results["crossover"] = [
             fresh(crossover_row(shape, length, args.crossover_densities))
@@ -741,11 +760,6 @@ def main() -> None:
         results["select_variants"] = select_variants(args.select_variant, args.prefill, args.decode,
                                                      args.decode_batches, args.select_rounds)
     if not studies:
-        flex = None
-        if not args.no_flex:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            flex = torch.compile(flex_attention)
         results["prefill"], results["xattn"], results["decode"] = [], [], []
         for length in args.prefill:
             results["prefill"].append(fresh(prefill_row(length, flex, grids if length == args.prefill[-1] else None)))

@@ -525,14 +525,15 @@ def test_sparse_attention_features(size, op, num_queries, splits, logn, skip_row
 @pytest.mark.parametrize("op, num_queries, splits", [("sparse_prefill", None, None), ("sparse_prefill", "chunk", None),
                                                      ("sparse_decode", 1, None), ("sparse_decode", 3, 2),
                                                      ("sparse_decode", 1, 1)])
-@pytest.mark.parametrize("softcap, sinks, others", [(50.0, False, False), (5.0, False, False), (None, True, False),
-                                                    (5.0, True, True)],
-                         ids=["softcap50", "softcap5", "sinks", "softcap5-sinks-logn-skip-int8-alibi"])
+@pytest.mark.parametrize("softcap, sinks, others", [(50.0, False, False), (5.0, False, False), (100.0, False, False),
+                                                    (None, True, False), (5.0, True, True), (50.0, False, "int8")],
+                         ids=["softcap50", "softcap5", "softcap100-running-max", "sinks",
+                              "softcap5-sinks-logn-skip-int8-alibi", "softcap50-int8"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], (3, 8, 1, 64, 80, "fp32")])
 def test_softcap_and_sinks(size, op, num_queries, splits, softcap, sinks, others, shape):
     """Scores capped in the inner loop (``softcap * tanh(s / softcap)`` of the natural-log score), outputs rescaled
-    by one sink logit per query head (after the split decode's merge): the reference's result, alone and with
-    logN, skipped rows, int8 K/V and ALiBi; with cap 5 and with sinks the result really differs from plain
+    by one sink logit per query head (after the split decode's merge): the reference's result, alone, with int8 K/V,
+    and with logN, skipped rows, int8 K/V and ALiBi; with cap 5 and with sinks the result really differs from plain
     attention."""
     batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
     dtype = DTYPES[dtype_name]
@@ -552,10 +553,12 @@ def test_softcap_and_sinks(size, op, num_queries, splits, softcap, sinks, others
                                  density=0.4)
     extra = {"softcap": softcap}
     skip = None
-    if others:
+    if others:  # int8 K/V ("int8": alone, with the constant maximum of capped scores)
         (key, key_scale), (value, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        extra.update(key_scale=key_scale, value_scale=value_scale)
+    if others is True:
         skip = torch.tensor([i % 2 == 1 for i in range(batch)], device=DEVICE)
-        extra.update(key_scale=key_scale, value_scale=value_scale, logn_base=16 if size == "small" else 1024,
+        extra.update(logn_base=16 if size == "small" else 1024,
                      alibi_slopes=(2.0 ** (-8.0 * torch.arange(1, q_heads + 1) / q_heads)).to(DEVICE))
     scale = dim ** -0.5
     if sinks:  # logits about each head's median log-sum-exp over the keys, so that the sinks take a real share
@@ -579,6 +582,60 @@ def test_softcap_and_sinks(size, op, num_queries, splits, softcap, sinks, others
             assert rel_err(plain[run], expected_out[run]) > 3 * REL_TOL[dtype]
             if name == "sinks":  # the lse stays that of the real keys
                 torch.testing.assert_close(plain_lse, expected_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("op, num_queries, splits", [("sparse_prefill", None, None), ("sparse_decode", 1, 2)])
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("ends", ["both", "low"])
+def test_capped_scores_at_the_caps_ends_keep_the_constant_maximum_exact(size, op, num_queries, splits, dtype_name,
+                                                                        ends):
+    """Softcap 50 (a constant in place of the running maximum, ``_common.fixed_max``) with every score saturated:
+    at both ends of the cap, and a row whose every score is near ``-cap`` (its largest term ``2^-80``, still a
+    normal float): the reference's result."""
+    from hf_sparse.kernels._common import fixed_max
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed("softcap-ends", op, dtype_name, ends))
+    d = dims(size)
+    length, block = d["length"], d["block"]
+    num_queries = num_queries or length
+    q_offset = length - num_queries
+    batch, q_heads, kv_heads, dim = 2, 4, 2, 64
+    key = bnsd(batch, kv_heads, length, dim, torch.float32, "bnsd", gen)
+    if ends == "low":  # one shared key direction (plus noise) and queries pointing away from it
+        direction = torch.randn(dim, generator=gen)
+        key = direction.to(DEVICE) + 0.05 * key
+        query = -300.0 * direction.expand(batch, q_heads, num_queries, dim).to(DEVICE)
+    else:
+        query = 300.0 * bnsd(batch, q_heads, num_queries, dim, torch.float32, "bnsd", gen)
+    query, key = query.to(dtype), key.to(dtype)
+    value = bnsd(batch, kv_heads, length, dim, dtype, "bnsd", gen)
+    assert fixed_max(50.0, query, None)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tile = num_queries if op == "sparse_decode" else d["tile"]
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, tile)
+    selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, tile, gen,
+                                 density=0.6)
+    args = dict(scale=dim ** -0.5, q_offset=q_offset, kv_start=kv_start, softcap=50.0)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, **args)
+    finite = torch.isfinite(expected_lse)
+    if ends == "low":  # every score really is near -cap
+        assert (expected_lse[finite] < -40.0).all()
+    out, lse = getattr(OPS[op], op)(query, key, value, selection, **args,
+                                    **({"splits": splits} if op == "sparse_decode" else {}))
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
+def test_fixed_maximum_only_where_the_cap_bounds_every_term():
+    """The constant maximum needs a cap of at most ``FIXED_MAX_CAP`` (base 2), no ALiBi bias after the cap and
+    probabilities of float32's range (not float16)."""
+    from hf_sparse.kernels._common import fixed_max
+    bf16, fp16, fp32 = (torch.zeros(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32))
+    assert fixed_max(50.0, bf16, None) and fixed_max(50.0, fp32, None) and fixed_max(1e-3, bf16, None)
+    assert not fixed_max(None, bf16, None)
+    assert not fixed_max(50.0, fp16, None)
+    assert not fixed_max(50.0, bf16, torch.ones(4))
+    assert not fixed_max(57.0, bf16, None) and fixed_max(56.8, bf16, None)
 
 
 def test_softcap_and_sinks_errors():

@@ -5,6 +5,7 @@ import math
 import os
 
 import torch
+import triton.language as tl
 
 from ..selection import BlockSelection, RowLayout, row_starts
 from .reference import check_softcap_and_sinks
@@ -176,8 +177,6 @@ def dependent_launch(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _DEPENDENT_LAUNCH:
-        import triton.language as tl
-
         cuda = getattr(tl.extra, "cuda", None)
         _DEPENDENT_LAUNCH[index] = (torch.cuda.get_device_capability(index)[0] >= 9
                                     and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
@@ -287,6 +286,22 @@ def softcap_mode(softcap: float | None, query: torch.Tensor) -> int:
         return SOFTCAP_OFF
     fast = query.is_cuda and not interpreting() and query.dtype in (torch.float16, torch.bfloat16)
     return SOFTCAP_FAST if fast else SOFTCAP_EXACT
+
+
+#: ``FIXED_MAX`` of the attention kernels: a capped base-2 score lies in ``[-cap, cap]``, so the softmax can subtract
+#: the constant ``cap - FIXED_MAX_HEADROOM`` instead of a running row maximum (no maximum, no rescaling of the
+#: accumulators). Every term is then at most ``2^64`` and a row's largest at least ``2^(64 - 2 cap)``, a normal
+#: float32 above ``2^-100`` while ``cap <= FIXED_MAX_CAP`` (natural-log caps up to 56.8; Gemma 2's 50 is 72.1).
+FIXED_MAX_HEADROOM = tl.constexpr(64.0)
+FIXED_MAX_CAP = 82.0
+
+
+def fixed_max(softcap: float | None, query: torch.Tensor, alibi_slopes: torch.Tensor | None) -> bool:
+    """Whether the kernels subtract a constant maximum (``FIXED_MAX_HEADROOM``): a cap of at most
+    ``FIXED_MAX_CAP`` (base 2), no ALiBi bias (it is added after the cap, unbounded), and probabilities in a dtype
+    of float32's range (float16's largest, 65504, is far below ``2^64``)."""
+    return (softcap is not None and alibi_slopes is None and query.dtype != torch.float16
+            and float(softcap) * math.log2(math.e) <= FIXED_MAX_CAP)
 
 
 def softcap_sink_args(softcap: float | None, sinks: torch.Tensor | None,

@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
 from ._common import (attention_outputs, cdiv, check_length, dependent_launch_args, dot_settings,
-                      heads_per_program, next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters,
+                      heads_per_program, next_power_of_2, sm_count, fixed_max, softcap_mode, softcap_sink_args, ticket_counters,
                       value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts, parts_per_step
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
@@ -58,7 +58,7 @@ def _sparse_decode_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
     MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FIXED_MAX: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # programmatic dependent launch: the kernel before is done first, the one after may launch
@@ -121,7 +121,7 @@ def _sparse_decode_kernel(
         K_SCALE + b64 * stride_ksb + kv_head.to(tl.int64) * stride_ksh,
         V_SCALE + b64 * stride_vsb + kv_head.to(tl.int64) * stride_vsh, stride_kss, stride_vss, alibi_log2,
         softcap_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION,
-        WIDE_OFFSETS, LOGN, QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
+        WIDE_OFFSETS, LOGN, QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP, FIXED_MAX)
     out, lse = _finish(acc, l_i, m_i)
     if HAS_SINKS:
         if not MERGE:  # the whole row in one program; split partials get the sinks after their merge
@@ -258,7 +258,7 @@ def sparse_decode(
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap_mode(softcap, query),
-                HAS_SINKS=sinks is not None, MERGE_ROWS=merge_rows, MERGE_STEP=parts_per_step(merge_rows, dv_pad),
+                FIXED_MAX=fixed_max(softcap, query, alibi_slopes), HAS_SINKS=sinks is not None, MERGE_ROWS=merge_rows, MERGE_STEP=parts_per_step(merge_rows, dv_pad),
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
                 **dependent_launch_args(query.device),

@@ -22,8 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, dot_settings, next_power_of_2, softcap_mode,
-                      softcap_sink_args, value_args, values_aligned, wide_offsets)
+from ._common import (FIXED_MAX_HEADROOM, attention_outputs, cdiv, dot_settings, fixed_max, next_power_of_2,
+                      softcap_mode, softcap_sink_args, value_args, values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 / H200 defaults; benchmarks/bench_attention.py --tune tries others).
 TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -31,19 +31,27 @@ TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
 #: over 64-key steps keeps the tensor cores and the softmax's exp2 units busier (128K, H200: 6.58 ms vs 8.23 ms
 #: with TUNING's settings; docs/kernels.md).
 TUNING_SMALL_HEAD = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+#: What differs again for capped scores (softcap) of bfloat16 / float16 K/V at head dims of at most 64: 128-key
+#: steps in 3 stages (SmolLM2 shape, H100, 32K / 128K: capped 1.72 -> 1.55 / 7.98 -> 7.27 ms, plain unchanged
+#: within 2%; int8 K/V 1.8x slower with these, so they keep TUNING_SMALL_HEAD; docs/benchmarks.md).
+TUNING_SMALL_HEAD_CAPPED = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 
 
-def launch_settings(head_dim: int) -> dict[str, int]:
-    """The launch settings for queries / keys of ``head_dim`` (values: the larger of the two head dims)."""
-    return {**TUNING, **TUNING_SMALL_HEAD} if head_dim <= 64 else TUNING
+def launch_settings(head_dim: int, capped: bool = False) -> dict[str, int]:
+    """The launch settings for queries / keys of ``head_dim`` (values: the larger of the two head dims);
+    ``capped``: softcapped scores of half-precision (not int8) K/V."""
+    if head_dim > 64:
+        return TUNING
+    return {**TUNING, **TUNING_SMALL_HEAD, **(TUNING_SMALL_HEAD_CAPPED if capped else {})}
 
 
-def launch_configs(dot_fp32: bool, head_dim: int, block_size: int) -> list[tuple[int, int, int]]:
+def launch_configs(dot_fp32: bool, head_dim: int, block_size: int,
+                   capped: bool = False) -> list[tuple[int, int, int]]:
     """``(block_m, block_n, num_stages)`` to try in order: the tuned one, then smaller shared-memory footprints
     (float32 operands and head dims past 128 need 2-4x the bytes per tile)."""
     configs = []
     if not (dot_fp32 or head_dim > 128):
-        tuned = launch_settings(head_dim)
+        tuned = launch_settings(head_dim, capped)
         configs.append((tuned["block_m"], tuned["block_n"], tuned["num_stages"]))
     configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
     return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
@@ -111,7 +119,7 @@ def _attend_entries(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     ROW_SCALE: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FIXED_MAX: tl.constexpr,
 ):
     """Online-softmax attention of ``q`` over the row blocks listed in entries ``[first_entry, last_entry)``.
 
@@ -122,12 +130,15 @@ def _attend_entries(
     weights it; no dequantised tile is formed. With ``ALIBI`` ``alibi_log2`` ``[BLOCK_M]`` holds each row's
     slope times log2(e), and ``slope * (key slot - query slot)`` is added to the (base-2) scores. With ``SOFTCAP``
     the scaled scores are capped (``cap * tanh(score / cap)``, cap ``softcap_log2``; the cap folded into the
-    softmax's max and exponent where no bias comes between) before the bias and the masks.
+    softmax's max and exponent where no bias comes between) before the bias and the masks. With ``FIXED_MAX``
+    (a cap and no bias: ``_common.fixed_max``) no capped score exceeds the cap, and the softmax subtracts the
+    constant ``cap - FIXED_MAX_HEADROOM`` instead of a running row maximum: no maximum, no rescaling.
     With ``V_BLOCK`` (> 0) the values are blocked (``reference.blocked_values``): slot ``s`` of channel ``d``
     at ``(s // V_BLOCK) * stride_vblk + d * stride_vd + (s % V_BLOCK) * stride_vs``; with ``V_ALIGNED`` every
     row starts at a multiple of ``BLOCK_N`` (and ``V_BLOCK`` is one), so a tile's slots are contiguous.
     """
     kv_tile = kv_start // BLOCK_N  # V_ALIGNED: the row's first tile of BLOCK_N slots
+    m_fixed = softcap_log2 - FIXED_MAX_HEADROOM  # FIXED_MAX: the softmax's constant maximum
     if SOFTCAP:
         # Capped scores are cap * tanh(score / cap): the score's scale and 1 / cap are one factor, and (without a
         # bias between) the cap multiplies inside the softmax's max and exp2 argument (fewer operations per score).
@@ -209,19 +220,27 @@ def _attend_entries(
             if MASKED:
                 visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
                 scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if FIXED_MAX:  # capped scores are at most `cap`: a constant in place of the running maximum
+                p = tl.exp2(scores * cap - m_fixed)
+                l_i = l_i + tl.sum(p, 1)
+                if QUANT:
+                    p = p * v_scale[None, :]
+                acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             else:
                 m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
-                m_use = m_new
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(scores * cap - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if QUANT:
-                acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=PRECISION)
-            else:
+                if MASKED:
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(scores * cap - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if QUANT:
+                    p = p * v_scale[None, :]
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+                m_i = m_new
+    if FIXED_MAX:
+        m_i = tl.zeros_like(l_i) + m_fixed
     return acc, l_i, m_i
 
 
@@ -253,7 +272,8 @@ def _sparse_prefill_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
-    V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr, SOFTCAP: tl.constexpr, FIXED_MAX: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # One flat grid, K/V-locality first: per (batch, KV head) all its slots, heaviest tile first, and per slot
     # the programs of the group's query heads next to each other (they share K/V blocks through L2).
@@ -341,13 +361,13 @@ def _sparse_prefill_kernel(
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
             ks_base, vs_base, stride_kss, stride_vss, alibi_log2, softcap_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, False, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP, FIXED_MAX)
         acc, l_i, m_i = _attend_entries(
             acc, l_i, m_i, q, q_slot, row_ok, idx_ptr, stride_ik, num_full, count,
             k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, stride_vblk, kv_start, key_length, row_scale,
             ks_base, vs_base, stride_kss, stride_vss, alibi_log2, softcap_log2,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, True, DOT_FP32, PRECISION, WIDE_OFFSETS, LOGN,
-            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP)
+            QUANT, ALIBI, V_BLOCK, V_ALIGNED, SOFTCAP, FIXED_MAX)
         out, lse = _finish(acc, l_i, m_i)
         if HAS_SINKS:
             out = _sink_scale(out, lse, SINKS, head, row_ok)
@@ -402,10 +422,12 @@ def sparse_prefill(
         D_PAD=max(16, next_power_of_2(head_dim)), DV_PAD=max(16, next_power_of_2(head_dim_v)),
         DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
         LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
-        ALIBI=alibi_slopes is not None, SOFTCAP=softcap_mode(softcap, query), HAS_SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None, SOFTCAP=softcap_mode(softcap, query),
+        FIXED_MAX=fixed_max(softcap, query, alibi_slopes), HAS_SINKS=sinks is not None,
     )
-    warps = launch_settings(max(head_dim, head_dim_v))["num_warps"]
-    for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size):
+    capped = softcap is not None and key.dtype != torch.int8
+    warps = launch_settings(max(head_dim, head_dim_v), capped)["num_warps"]
+    for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size, capped):
         heads_per_prog = program_heads(heads_per_row, query_tile, block_m)
         queries_per_prog = queries_per_program(heads_per_prog, query_tile, block_m)
         rows = max(16, next_power_of_2(heads_per_prog * queries_per_prog))
