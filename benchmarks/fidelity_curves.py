@@ -48,7 +48,8 @@ def run(model, ids: torch.Tensor, name: str, dense_lp: torch.Tensor, last_n: int
         density = StarMethod(config).context_density(ids.shape[1] - config.query_tokens)
     else:
         density = rec.density("prefill")
-    return {"setting": name, "family": family(name), "tokens": ids.shape[1], "density": density, "kl": kl.mean().item(),
+    return {"setting": name, "family": family(name), "tokens": ids.shape[1], "density": density,
+            "kl": kl.mean().item(),
             "kl_last": kl[-1].item(), "top1": (dense_lp.argmax(-1) == sparse_lp.argmax(-1)).float().mean().item(),
             "seconds": elapsed}
 
@@ -64,7 +65,8 @@ def plot(rows: list[dict], path: str, title: str, last_n: int) -> None:
                            (axes[1], "kl_last", "next-token KL vs dense at the last position")):
         lengths = {row["tokens"] for row in rows}
         for line in dict.fromkeys((family(row["setting"]), row["tokens"]) for row in rows):
-            points = sorted((row["density"], row[key]) for row in rows if (family(row["setting"]), row["tokens"]) == line)
+            points = sorted((row["density"], row[key]) for row in rows
+                            if (family(row["setting"]), row["tokens"]) == line)
             name = line[0] if len(lengths) == 1 else f"{line[0]}, {line[1]} tokens"
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         ax.set_yscale("log")

@@ -18,6 +18,7 @@ import torch
 
 from hf_sparse import kernels
 from hf_sparse.kernels import reference as ref
+from hf_sparse.kernels._common import fixed_max
 from hf_sparse.selection import BlockSelection
 
 triton = pytest.importorskip("triton")
@@ -593,7 +594,6 @@ def test_capped_scores_at_the_caps_ends_keep_the_constant_maximum_exact(size, op
     """Softcap 50 (a constant in place of the running maximum, ``_common.fixed_max``) with every score saturated:
     at both ends of the cap, and a row whose every score is near ``-cap`` (its largest term ``2^-80``, still a
     normal float): the reference's result."""
-    from hf_sparse.kernels._common import fixed_max
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(seed("softcap-ends", op, dtype_name, ends))
     d = dims(size)
@@ -629,7 +629,6 @@ def test_capped_scores_at_the_caps_ends_keep_the_constant_maximum_exact(size, op
 def test_fixed_maximum_only_where_the_cap_bounds_every_term():
     """The constant maximum needs a cap of at most ``FIXED_MAX_CAP`` (base 2), no ALiBi bias after the cap and
     probabilities of float32's range (not float16)."""
-    from hf_sparse.kernels._common import fixed_max
     bf16, fp16, fp32 = (torch.zeros(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32))
     assert fixed_max(50.0, bf16, None) and fixed_max(50.0, fp32, None) and fixed_max(1e-3, bf16, None)
     assert not fixed_max(None, bf16, None)

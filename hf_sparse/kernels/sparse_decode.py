@@ -19,8 +19,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import BlockSelection, RowLayout, row_starts
-from ._common import (attention_outputs, cdiv, check_length, dependent_launch_args, dot_settings,
-                      heads_per_program, next_power_of_2, sm_count, fixed_max, softcap_mode, softcap_sink_args, ticket_counters,
+from ._common import (attention_outputs, cdiv, check_length, dependent_launch_args, dot_settings, fixed_max,
+                      heads_per_program, next_power_of_2, sm_count, softcap_mode, softcap_sink_args, ticket_counters,
                       value_args, values_aligned, wide_offsets)
 from .merge_lse import _merge_parts, parts_per_step
 from .sparse_prefill import _attend_entries, _finish, _sink_scale
@@ -58,8 +58,8 @@ def _sparse_decode_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     LOGN: tl.constexpr, HAS_SKIP: tl.constexpr, QUANT: tl.constexpr, ALIBI: tl.constexpr,
     MERGE: tl.constexpr, DEVICE_LENGTH: tl.constexpr, V_BLOCK: tl.constexpr, V_ALIGNED: tl.constexpr,
-    SOFTCAP: tl.constexpr, FIXED_MAX: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
-    PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, FIXED_MAX: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    MERGE_STEP: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # programmatic dependent launch: the kernel before is done first, the one after may launch
         tl.extra.cuda.gdc_wait()
@@ -258,7 +258,8 @@ def sparse_decode(
                 DOT_FP32=dot_fp32, PRECISION=precision, WIDE_OFFSETS=wide_offsets(key, value),
                 LOGN=logn_base is not None, HAS_SKIP=skip is not None, QUANT=key.dtype == torch.int8,
                 ALIBI=alibi_slopes is not None, MERGE=splits > 1, SOFTCAP=softcap_mode(softcap, query),
-                FIXED_MAX=fixed_max(softcap, query, alibi_slopes), HAS_SINKS=sinks is not None, MERGE_ROWS=merge_rows, MERGE_STEP=parts_per_step(merge_rows, dv_pad),
+                FIXED_MAX=fixed_max(softcap, query, alibi_slopes), HAS_SINKS=sinks is not None,
+                MERGE_ROWS=merge_rows, MERGE_STEP=parts_per_step(merge_rows, dv_pad),
                 DEVICE_LENGTH=length is not None, V_BLOCK=value_block,
                 V_ALIGNED=values_aligned(value_block, kv_start, block_n), num_warps=tuning["num_warps"], num_stages=stages,
                 **dependent_launch_args(query.device),
