@@ -101,3 +101,21 @@ def test_round_orders_balance_predecessors_and_positions(methods):
     assert set(before.values()) == {period * (count - 1) // len(before)}, before
     for square in (orders[:count], orders[count:period]):  # each method at each position once per square
         assert all(sorted(order[i] for order in square) == sorted(methods) for i in range(count) if square)
+
+
+def test_fidelity_curves_average_each_setting_per_length_over_its_windows():
+    """``fidelity_curves.averaged``: one row per (input length, setting), the mean of each number over the windows
+    with their range; the same setting at another length stays its own row."""
+    from fidelity_curves import averaged, family
+
+    def row(tokens, setting, kl, window):
+        return {"tokens": tokens, "setting": setting, "family": family(setting), "density": 0.5, "kl": kl,
+                "kl_last": 2 * kl, "top1": 0.9, "window": window}
+    rows = [row(8192, "star-block_size=1024", 0.1, 0), row(8192, "star-block_size=1024", 0.3, 1),
+            row(32768, "star-block_size=1024", 1.0, 0)]
+    merged = averaged(rows)
+    assert [(r["tokens"], r["windows"]) for r in merged] == [(8192, 2), (32768, 1)]
+    assert merged[0]["kl"] == pytest.approx(0.2) and merged[0]["kl_min"] == 0.1 and merged[0]["kl_max"] == 0.3
+    assert merged[0]["kl_last"] == pytest.approx(0.4) and merged[1]["kl"] == 1.0
+    assert family("star-block_size=1024-query_tokens=256") == "star-query_tokens=256"
+    assert family("plas-prefill_top_k=[8:10]") == "plas (other fields default)"
