@@ -113,6 +113,12 @@ def _check_dense_above_density(config: Any) -> None:
     config.dense_above_density = float(value)
 
 
+def _check_prefill_mlp_chunk(config: Any) -> None:
+    """Validate the ``prefill_mlp_chunk`` field shared by the method configs."""
+    if config.prefill_mlp_chunk is not None and _as_int("prefill_mlp_chunk", config.prefill_mlp_chunk) < 1:
+        raise ValueError(f"prefill_mlp_chunk must be None or >= 1, got {config.prefill_mlp_chunk}")
+
+
 def _check_kv_cache_dtype(config: Any) -> None:
     """Validate the ``kv_cache_dtype`` field shared by the PLAS and XAttention configs."""
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -176,6 +182,12 @@ class PLASConfig(_MethodConfig):
             rows feed nothing the call returns (the cache keeps its keys and values, which come from its input)
             and are zero. A forward that runs dense throughout computes every row (outputs equal to sdpa's);
             ``False`` computes every row always.
+        prefill_mlp_chunk: in a ``generate()`` forward of more tokens than this (batch x positions) over a
+            sequence long enough to attend sparsely (``dense_below``), each decoder layer's dense feed-forward block
+            holds fewer activations at once (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen,
+            Mistral, ...) computes its gate in place (same values and launches), other blocks run over slices of
+            this many tokens. This keeps a long prefill's peak memory under dense attention's (the sparse cache
+            holds block summaries besides the K/V). ``None`` runs each block as transformers does.
     """
 
     block_size: int = 128
@@ -195,6 +207,7 @@ class PLASConfig(_MethodConfig):
     decode_compile: bool = True
     decode_fused_layers: bool = True
     trim_last_layer: bool = True
+    prefill_mlp_chunk: int | None = 16384
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +227,7 @@ class PLASConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
+        _check_prefill_mlp_chunk(self)
         _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory",
                      "trim_last_layer")
 
@@ -325,6 +339,8 @@ class XAttnConfig(_MethodConfig):
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
         trim_last_layer: as :class:`PLASConfig`'s: a generate() prefill's last layer attends for the positions
             whose logits it keeps only.
+        prefill_mlp_chunk: as :class:`PLASConfig`'s: a long generate() prefill's feed-forward blocks hold fewer
+            activations.
     """
 
     block_size: int = 128
@@ -350,6 +366,7 @@ class XAttnConfig(_MethodConfig):
     decode_compile: bool = True
     decode_fused_layers: bool = True
     trim_last_layer: bool = True
+    prefill_mlp_chunk: int | None = 16384
     method: str = field(default="xattn", init=False)
 
     #: Default decode ``dense_below``, in blocks (see the field's description).
@@ -395,6 +412,7 @@ class XAttnConfig(_MethodConfig):
         _check_logn(self)
         _check_kv_cache_dtype(self)
         _check_dense_above_density(self)
+        _check_prefill_mlp_chunk(self)
 
     def mass_threshold(self, phase: str) -> float:
         """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""
@@ -441,6 +459,8 @@ class StarConfig(_MethodConfig):
             the device) from a captured CUDA graph; ``False`` decodes eagerly (sdpa over the cache).
         decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
+        prefill_mlp_chunk: as :class:`PLASConfig`'s: a long generate() prefill's feed-forward blocks hold fewer
+            activations.
     """
 
     block_size: int = 4096
@@ -454,6 +474,7 @@ class StarConfig(_MethodConfig):
     decode_cuda_graph: bool = True
     decode_compile: bool = True
     decode_fused_layers: bool = True
+    prefill_mlp_chunk: int | None = 16384
     method: str = field(default="star", init=False)
 
     def __post_init__(self) -> None:
@@ -473,6 +494,7 @@ class StarConfig(_MethodConfig):
         self.dense_below = _as_dense_below(self.dense_below, pair_allowed=False)
         _check_logn(self)
         _check_dense_above_density(self)
+        _check_prefill_mlp_chunk(self)
         _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers")
 
     @property

@@ -16,7 +16,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import graphs, kernels
+from . import feed_forward, graphs, kernels
 from .attention import LAST_LAYER_ROWS, ReadRows, dense_attention, method_config, sparse_attention_forward
 from .cache import CACHE_KWARG, SparseCache, block_size_for, kv_dtype_for
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
@@ -195,8 +195,16 @@ def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
 
 def _generate(self, *args: Any, **kwargs: Any) -> Any:
     """``generate()`` of our implementations with the forwards watched for the rows they read
-    (:func:`_watch_read_rows`), after which the CUDA-graph wrapper the cache hook may have installed is removed."""
-    handles = _watch_read_rows(self) if getattr(self.config, "_attn_implementation", None) in TRIMMED else ()
+    (:func:`_watch_read_rows`) and a long prefill's feed-forward blocks holding fewer activations
+    (:func:`hf_sparse.feed_forward.prefill_hooks`), after which the CUDA-graph wrapper the cache hook may have
+    installed is removed."""
+    implementation = getattr(self.config, "_attn_implementation", None)
+    handles = list(_watch_read_rows(self)) if implementation in TRIMMED else []  # (a copy: the hooks remove theirs)
+    if implementation in METHODS:
+        config = method_config(self.config, implementation)
+        chunk = config.prefill_mlp_chunk
+        if chunk is not None:
+            handles.extend(feed_forward.prefill_hooks(self, chunk, config.dense_threshold("prefill")))
     try:
         return _ORIGINAL["generate"](self, *args, **kwargs)
     finally:

@@ -1,0 +1,146 @@
+"""Feed-forward blocks that hold less memory in a long ``generate()`` prefill.
+
+A long prefill's peak memory is not its attention: it is a decoder layer's feed-forward block, whose gated MLP holds
+three ``[tokens, intermediate_size]`` activations at once (SmolLM2 at 128K tokens: 1.1 GiB, against its whole KV
+cache's 2.8 GiB). :func:`prefill_hooks` runs the blocks as :func:`lean_forward` says in the forwards of a
+``generate()`` call whose sequence is long enough for the method to attend sparsely (shorter inputs run as
+transformers runs them), which keeps every method's peak under dense attention's although the sparse cache holds
+block summaries that a dense cache does not (:class:`hf_sparse.cache.SparseCacheLayer`). Without gradients (as
+generate() runs), a gated MLP whose forward is transformers' ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
+Mistral, Qwen, Gemma, ...: the forward's code is compared) runs
+
+* with a SiLU gate, over the whole input, its activation and product in place in the gate projection's output (where
+  no forward hook sees that output): the same launches and the same values as its own forward, two such
+  activations alive instead of three;
+* with another gate, over slices of the tokens (a dense MLP treats every token alone), each slice's gated product
+  written into one ``[tokens, intermediate_size]`` tensor and the down projection taken over all of it: one such
+  activation alive, in more, smaller launches.
+
+Other blocks run over slices of the tokens, each slice's output copied into one output tensor (one more write and
+read of the output).
+
+Blocks taken: the child named ``mlp`` / ``feed_forward`` of a module that also holds an attention child, whose
+``forward`` is its class's (not another library's instance hook) and which has no ``experts`` child (a mixture of
+experts routes tokens in groups: left as it is).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+#: Child names under which transformers' decoder layers hold their feed-forward block and their attention.
+_FEED_FORWARD_NAMES = ("mlp", "feed_forward")
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+#: Activation modules that compute SiLU (torch's and transformers').
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def feed_forward_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The dense feed-forward blocks of ``model``'s decoder layers that :func:`lean_forward` may run (see the
+    module's description)."""
+    blocks = []
+    for module in model.modules():
+        children = module._modules
+        if not any(children.get(name) is not None for name in _ATTENTION_NAMES):
+            continue
+        for name in _FEED_FORWARD_NAMES:
+            block = children.get(name)
+            if block is not None and "forward" not in block.__dict__ and "experts" not in block._modules:
+                blocks.append(block)
+    return blocks
+
+
+def _gated_mlp(self, x):  # transformers' gated MLP forward, the code :func:`gated` compares
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+@functools.lru_cache(maxsize=None)
+def gated(block_class: type) -> bool:
+    """Whether ``block_class``'s forward is :func:`_gated_mlp`'s code (same instructions, names and arguments)."""
+    code, reference = getattr(getattr(block_class, "forward", None), "__code__", None), _gated_mlp.__code__
+    return code is not None and all(getattr(code, name) == getattr(reference, name)
+                                    for name in ("co_code", "co_names", "co_varnames", "co_argcount", "co_consts"))
+
+
+def _silu_in_place(block: torch.nn.Module) -> bool:
+    """Whether a gated MLP's gate is SiLU and its gate projection's output may be overwritten: no forward hook sees
+    that output (a probe that keeps it would find it changed)."""
+    return (type(block.act_fn).__name__ in _SILU and "forward" not in block.act_fn.__dict__
+            and not block.gate_proj._forward_hooks and not torch.nn.modules.module._global_forward_hooks)
+
+
+def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Any:
+    """``block``'s forward on a ``[batch, positions, hidden]`` input with fewer activations alive: a SiLU-gated MLP's
+    in place, others over slices of at most ``chunk_tokens`` tokens (``batch x positions``; see the module's
+    description). Other calls (more arguments, another rank, few tokens) and blocks whose output is not a
+    ``[batch, positions, ...]`` tensor run their own forward over the whole input."""
+    if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        return type(block).forward(block, hidden_states, *args, **kwargs)
+    batch, positions = hidden_states.shape[:2]
+    step = max(1, chunk_tokens // max(batch, 1))
+    in_place = gated(type(block)) and not torch.is_grad_enabled()  # (in-place and out= products record no gradient)
+    if in_place and _silu_in_place(block):
+        product = block.gate_proj(hidden_states)
+        torch.nn.functional.silu(product, inplace=True)
+        product.mul_(block.up_proj(hidden_states))
+        return block.down_proj(product)
+    if positions <= step:
+        return type(block).forward(block, hidden_states)
+    if in_place:
+        product = None
+        for start in range(0, positions, step):
+            part = hidden_states[:, start:start + step].contiguous()  # (a copy for batch > 1 only)
+            activated, up = block.act_fn(block.gate_proj(part)), block.up_proj(part)
+            if product is None:
+                product = activated.new_empty(batch, positions, activated.shape[-1])
+            torch.mul(activated, up, out=product[:, start:start + step])
+            del activated, up
+        return block.down_proj(product)
+    output = None
+    for start in range(0, positions, step):
+        part = type(block).forward(block, hidden_states[:, start:start + step].contiguous())
+        if output is None:
+            if not isinstance(part, torch.Tensor) or part.dim() < 2 or part.shape[:2] != (batch, min(step, positions)):
+                return type(block).forward(block, hidden_states)
+            output = part.new_empty(batch, positions, *part.shape[2:])
+        output[:, start:start + step] = part
+    return output
+
+
+def prefill_hooks(model: torch.nn.Module, chunk_tokens: int, dense_below: int) -> list[Any]:
+    """Hooks around ``model``'s forwards that run its :func:`feed_forward_blocks` through :func:`lean_forward`
+    while a forward of more than ``chunk_tokens`` tokens, and of a sequence of at least ``dense_below`` positions
+    (the method's prefill threshold), runs; their handles. They remove themselves at the first forward of one
+    position (a decode step: the prompt is done)."""
+    swapped: list[list[torch.nn.Module]] = []
+    handles: list[Any] = []
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = kwargs.get("input_ids")
+        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+        inputs = args[0] if inputs is None and args else inputs
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+            swapped.append([])
+            return
+        if inputs.shape[1] == 1:
+            for handle in handles:
+                handle.remove()
+            return
+        long_prefill = inputs.shape[0] * inputs.shape[1] > chunk_tokens and inputs.shape[1] >= dense_below
+        blocks = feed_forward_blocks(model) if long_prefill else []
+        for block in blocks:
+            block.__dict__["forward"] = functools.partial(lean_forward, block, chunk_tokens)
+        swapped.append(blocks)
+
+    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if swapped:
+            for block in swapped.pop():
+                block.__dict__.pop("forward", None)
+
+    handles += [model.register_forward_pre_hook(before, with_kwargs=True),
+                model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+    return handles
