@@ -182,12 +182,12 @@ class PLASConfig(_MethodConfig):
             rows feed nothing the call returns (the cache keeps its keys and values, which come from its input)
             and are zero. A forward that runs dense throughout computes every row (outputs equal to sdpa's);
             ``False`` computes every row always.
-        prefill_mlp_chunk: in a ``generate()`` forward of more tokens than this (batch x positions) over a
-            sequence long enough to attend sparsely (``dense_below``), each decoder layer's dense feed-forward block
-            holds fewer activations at once (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen,
-            Mistral, ...) computes its gate in place (same values and launches), other blocks run over slices of
-            this many tokens. This keeps a long prefill's peak memory under dense attention's (the sparse cache
-            holds block summaries besides the K/V). ``None`` runs each block as transformers does.
+        prefill_mlp_chunk: in a ``generate()`` forward over a sequence long enough to attend sparsely
+            (``dense_below``), each decoder layer's dense feed-forward block holds fewer activations at once
+            (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen, Mistral, ...) computes its gate in
+            place (same values and launches), other blocks run over slices of this many tokens (batch x
+            positions). This keeps a long prefill's peak memory under dense attention's (the sparse cache holds
+            block summaries besides the K/V). ``None`` runs each block as transformers does.
     """
 
     block_size: int = 128

@@ -1,4 +1,6 @@
-"""A long generate() prefill runs the decoder layers' feed-forward blocks over token slices (hf_sparse.feed_forward)."""
+"""A long generate() prefill's feed-forward blocks hold fewer activations (hf_sparse.feed_forward)."""
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +60,10 @@ def test_long_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs
             for a, b in zip(whole.logits, lean.logits):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert rows[prefill:] == [(2, 1)] * (len(rows) - prefill) and len(rows) > prefill
+        if act == "silu":  # in place whatever the slice size
+            activations.clear()
+            assert torch.equal(_generate(model, make, ids, mask, 10**6, rows).sequences, whole.sequences)
+            assert rows[:layers] == [(2, 80)] * layers and activations[:1] == [(2, 1)]
         activations.clear()
         _generate(model, make, ids[:, :30], mask[:, :30], 8, rows)  # under dense_below: the blocks' own forwards
         assert rows[:layers] == [(2, 30)] * layers and activations[:1] == [(2, 30)]
@@ -66,7 +72,8 @@ def test_long_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs
 
 
 def test_feed_forward_blocks_leave_experts_and_foreign_forwards_alone():
-    """A mixture of experts' block, and a block whose forward another library replaced, are not taken."""
+    """A mixture of experts' block, and a block whose forward another library replaced, are not taken; the walk
+    kept for the next call sees a block replaced since."""
     moe = AutoModelForCausalLM.from_config(MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256))
@@ -75,6 +82,9 @@ def test_feed_forward_blocks_leave_experts_and_foreign_forwards_alone():
     assert feed_forward_blocks(model) == [layer.mlp for layer in model.model.layers]
     model.model.layers[0].mlp.forward = lambda x: x
     assert feed_forward_blocks(model) == [model.model.layers[1].mlp]
+    replaced = copy.deepcopy(model.model.layers[1].mlp)  # a block put in place of a found one is found
+    model.model.layers[1].mlp = replaced
+    assert feed_forward_blocks(model) == [replaced]
 
 
 def test_gated_mlps_are_told_by_their_forward_code():
