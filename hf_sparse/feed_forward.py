@@ -12,9 +12,9 @@ Mistral, Qwen, Gemma, ...: the forward's code is compared) runs
 * with a SiLU gate, over the whole input, its activation and product in place in the gate projection's output (where
   no forward hook sees that output): the same launches and the same values as its own forward, two such
   activations alive instead of three;
-* with another gate, over slices of the tokens (a dense MLP treats every token alone), each slice's gated product
-  written into one ``[tokens, intermediate_size]`` tensor and the down projection taken over all of it: one such
-  activation alive, in more, smaller launches.
+* with another gate (or a hooked gate projection), over slices of the tokens (a dense MLP treats every token alone),
+  each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the down projection taken
+  over all of it: one such activation alive, in more, smaller launches.
 
 Other blocks run over slices of the tokens, each slice's output copied into one output tensor (one more write and
 read of the output).
@@ -89,15 +89,15 @@ def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch
         return type(block).forward(block, hidden_states, *args, **kwargs)
     batch, positions = hidden_states.shape[:2]
     step = max(1, chunk_tokens // max(batch, 1))
-    in_place = gated(type(block)) and not torch.is_grad_enabled()  # (in-place and out= products record no gradient)
-    if in_place and _silu_in_place(block):
+    no_grad_gated = gated(type(block)) and not torch.is_grad_enabled()  # (in-place / out= products: no gradient)
+    if no_grad_gated and _silu_in_place(block):
         product = block.gate_proj(hidden_states)
         torch.nn.functional.silu(product, inplace=True)
         product.mul_(block.up_proj(hidden_states))
         return block.down_proj(product)
     if positions <= step:
         return type(block).forward(block, hidden_states)
-    if in_place:
+    if no_grad_gated:
         product = None
         for start in range(0, positions, step):
             part = hidden_states[:, start:start + step].contiguous()  # (a copy for batch > 1 only)
