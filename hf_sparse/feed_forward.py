@@ -2,12 +2,13 @@
 
 A long prefill's peak memory is not its attention: it is a decoder layer's feed-forward block, whose gated MLP holds
 three ``[tokens, intermediate_size]`` activations at once (SmolLM2 at 128K tokens: 1.1 GiB, against its whole KV
-cache's 2.8 GiB). :func:`prefill_hooks` runs the blocks as :func:`lean_forward` says in the forwards of a
-``generate()`` call whose sequence is long enough for the method to attend sparsely (shorter inputs run as
-transformers runs them), which keeps every method's peak under dense attention's although the sparse cache holds
-block summaries that a dense cache does not (:class:`hf_sparse.cache.SparseCacheLayer`). Without gradients (as
-generate() runs), a gated MLP whose forward is transformers' ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
-Mistral, Qwen, Gemma, ...: the forward's code is compared) runs
+cache's 2.8 GiB). :func:`swap_in` (from ``integration``'s generate() hooks) runs the blocks through
+:func:`lean_forward` in the forwards of a ``generate()`` call whose sequence is long enough for the method to attend
+sparsely (shorter inputs run as transformers runs them), which keeps every method's peak under dense attention's
+although the sparse cache holds block summaries that a dense cache does not (:class:`hf_sparse.cache.SparseCacheLayer`).
+Without gradients (as generate() runs), a gated MLP whose forward is transformers'
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Mistral, Qwen, Gemma, ...: the forward's code is compared)
+runs
 
 * with a SiLU gate, over the whole input, its activation and product in place in the gate projection's output (where
   no forward hook sees that output): the same launches and the same values as its own forward, two such
@@ -35,7 +36,7 @@ import torch
 _FEED_FORWARD_NAMES = ("mlp", "feed_forward")
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 #: Activation modules that compute SiLU (torch's and transformers').
-_SILU = ("SiLU", "SiLUActivation")
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 
 
 #: Each model's feed-forward blocks as (parent, child name, block), from its last walk (:func:`feed_forward_blocks`).
@@ -75,7 +76,7 @@ def gated(block_class: type) -> bool:
 def _silu_in_place(block: torch.nn.Module) -> bool:
     """Whether a gated MLP's gate is SiLU and its gate projection's output may be overwritten: no forward hook sees
     that output (a probe that keeps it would find it changed)."""
-    return (type(block.act_fn).__name__ in _SILU and "forward" not in block.act_fn.__dict__
+    return (type(block.act_fn).__name__ in SILU_ACTIVATIONS and "forward" not in block.act_fn.__dict__
             and not block.gate_proj._forward_hooks and not torch.nn.modules.module._global_forward_hooks)
 
 
@@ -118,35 +119,16 @@ def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch
     return output
 
 
-def prefill_hooks(model: torch.nn.Module, chunk_tokens: int, dense_below: int) -> list[Any]:
-    """Hooks around ``model``'s forwards that run its :func:`feed_forward_blocks` through :func:`lean_forward`
-    (slices of ``chunk_tokens`` tokens) while a forward of a sequence of at least ``dense_below`` positions (the
-    method's prefill threshold) runs; their handles. They remove themselves at the first forward of one position
-    (a decode step: the prompt is done)."""
-    swapped: list[list[torch.nn.Module]] = []
-    handles: list[Any] = []
+def swap_in(model: torch.nn.Module, chunk_tokens: int) -> list[torch.nn.Module]:
+    """Make ``model``'s :func:`feed_forward_blocks` run :func:`lean_forward` (slices of ``chunk_tokens`` tokens) until
+    :func:`swap_out`; the blocks swapped."""
+    blocks = feed_forward_blocks(model)
+    for block in blocks:
+        block.__dict__["forward"] = functools.partial(lean_forward, block, chunk_tokens)
+    return blocks
 
-    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = kwargs.get("input_ids")
-        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
-        inputs = args[0] if inputs is None and args else inputs
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-            swapped.append([])
-            return
-        if inputs.shape[1] == 1:
-            for handle in handles:
-                handle.remove()
-            return
-        blocks = feed_forward_blocks(model) if inputs.shape[1] >= dense_below else []
-        for block in blocks:
-            block.__dict__["forward"] = functools.partial(lean_forward, block, chunk_tokens)
-        swapped.append(blocks)
 
-    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if swapped:
-            for block in swapped.pop():
-                block.__dict__.pop("forward", None)
-
-    handles += [model.register_forward_pre_hook(before, with_kwargs=True),
-                model.register_forward_hook(after, with_kwargs=True, always_call=True)]
-    return handles
+def swap_out(blocks: list[torch.nn.Module]) -> None:
+    """Give the blocks :func:`swap_in` swapped their own forwards back."""
+    for block in blocks:
+        block.__dict__.pop("forward", None)

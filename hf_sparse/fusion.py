@@ -33,6 +33,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import kernels
+from .feed_forward import SILU_ACTIVATIONS
 from .kernels._common import DECODE_LINEAR_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ def fusable_layer(layer: torch.nn.Module) -> bool:
     linears = [getattr(attention, name, None) for name in _PROJECTIONS] + \
         [getattr(mlp, name, None) for name in _MLP_PROJECTIONS]
     if any(type(linear) is not torch.nn.Linear for linear in linears) or hasattr(attention, "q_norm") \
-            or hasattr(attention, "k_norm") or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+            or hasattr(attention, "k_norm") or type(getattr(mlp, "act_fn", None)).__name__ not in SILU_ACTIVATIONS:
         return False
     if any(not type(norm).__name__.endswith("RMSNorm") or not isinstance(getattr(norm, "variance_epsilon", None), float)
            or getattr(norm, "weight", None) is None for norm in norms):

@@ -161,13 +161,15 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
 _READ_MORE = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
-def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
-    """Hooks around ``model``'s forwards that set :data:`~hf_sparse.attention.LAST_LAYER_ROWS` to the forward's
-    ``logits_to_keep`` (a positive int) while it runs, where the call asks for no hidden states, attentions or
-    router logits (what would read the last layer's other rows); their handles. They remove themselves at the
-    first forward of no more positions than it keeps (a decode step: the prompt is done, and the steps' time is
-    spared the hooks)."""
-    tokens: list[contextvars.Token] = []
+def _watch_prefill(model: PreTrainedModel, trim: bool, feed_forward_chunk: int | None, dense_below: int) -> list[Any]:
+    """Hooks around ``model``'s forwards, their handles. While a forward runs: with ``trim``,
+    :data:`~hf_sparse.attention.LAST_LAYER_ROWS` holds the forward's ``logits_to_keep`` (a positive int) where the
+    call asks for no hidden states, attentions or router logits (what would read the last layer's other rows); with
+    ``feed_forward_chunk``, a forward over at least ``dense_below`` positions runs its feed-forward blocks through
+    :func:`hf_sparse.feed_forward.lean_forward`. The hooks remove themselves at the first forward of no more
+    positions than it keeps (or of one position): a decode step, the prompt is done, and the steps' time is spared
+    the hooks."""
+    state: list[tuple[contextvars.Token | None, list[torch.nn.Module]]] = []
     handles: list[Any] = []
 
     def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -175,18 +177,27 @@ def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
         keep = keep if type(keep) is int and keep > 0 else None
         inputs = kwargs.get("input_ids")
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
-        if keep is not None and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] <= keep:
+        inputs = args[0] if inputs is None and args else inputs
+        positions = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else None
+        if positions is not None and positions <= (keep or 1):
             for handle in handles:
                 handle.remove()
             return
-        asked = ({name: getattr(module.config, name, False) for name in _READ_MORE}
-                 | {name: kwargs[name] for name in _READ_MORE if kwargs.get(name) is not None})
-        read = ReadRows(keep) if keep is not None and not args and not any(asked.values()) else None
-        tokens.append(LAST_LAYER_ROWS.set(read))
+        token = None
+        if trim:
+            asked = ({name: getattr(module.config, name, False) for name in _READ_MORE}
+                     | {name: kwargs[name] for name in _READ_MORE if kwargs.get(name) is not None})
+            read = ReadRows(keep) if keep is not None and not args and not any(asked.values()) else None
+            token = LAST_LAYER_ROWS.set(read)
+        long = feed_forward_chunk is not None and positions is not None and positions >= dense_below
+        state.append((token, feed_forward.swap_in(model, feed_forward_chunk) if long else []))
 
     def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if tokens:
-            LAST_LAYER_ROWS.reset(tokens.pop())
+        if state:
+            token, blocks = state.pop()
+            if token is not None:
+                LAST_LAYER_ROWS.reset(token)
+            feed_forward.swap_out(blocks)
 
     handles += [model.register_forward_pre_hook(before, with_kwargs=True),
                 model.register_forward_hook(after, with_kwargs=True, always_call=True)]
@@ -194,17 +205,15 @@ def _watch_read_rows(model: PreTrainedModel) -> list[Any]:
 
 
 def _generate(self, *args: Any, **kwargs: Any) -> Any:
-    """``generate()`` of our implementations with the forwards watched for the rows they read
-    (:func:`_watch_read_rows`) and a long prefill's feed-forward blocks holding fewer activations
-    (:func:`hf_sparse.feed_forward.prefill_hooks`), after which the CUDA-graph wrapper the cache hook may have
-    installed is removed."""
+    """``generate()`` of our implementations with the prefill's forwards watched (:func:`_watch_prefill`: the rows
+    they read, their feed-forward blocks), after which the CUDA-graph wrapper the cache hook may have installed is
+    removed."""
     implementation = getattr(self.config, "_attn_implementation", None)
-    handles = list(_watch_read_rows(self)) if implementation in TRIMMED else []  # (a copy: the hooks remove theirs)
+    handles = []
     if implementation in METHODS:
         config = method_config(self.config, implementation)
-        chunk = config.prefill_mlp_chunk
-        if chunk is not None:
-            handles.extend(feed_forward.prefill_hooks(self, chunk, config.dense_threshold("prefill")))
+        handles = _watch_prefill(self, implementation in TRIMMED,
+                                 config.prefill_mlp_chunk, config.dense_threshold("prefill"))
     try:
         return _ORIGINAL["generate"](self, *args, **kwargs)
     finally:

@@ -643,14 +643,14 @@ def test_generate_trims_the_last_layer_to_the_rows_it_reads(method):
         zero_rows = int((seen[0][0].abs().sum(-1) == 0).sum())
         return out, zero_rows
 
-    hooked = []  # the generate() hooks at each forward (rows read, feed-forward blocks): gone from the decode steps on
+    hooked = []  # the generate() hooks present at each forward: the prefill's, gone from the decode steps on
     model.model.register_forward_pre_hook(lambda module, args: hooked.append(len(model._forward_pre_hooks)))
     with torch.no_grad():
         full, zero_full = prefill_rows(False)
         hooked.clear()
         trimmed, zero_trimmed = prefill_rows(True)
         assert (zero_full, zero_trimmed) == (0, ids.shape[1] - 1)
-        assert hooked == [2, 0, 0] and not model._forward_pre_hooks and not model._forward_hooks
+        assert hooked == [1, 0, 0] and not model._forward_pre_hooks and not model._forward_hooks
         assert torch.equal(full.sequences, trimmed.sequences)
         for a, b in zip(full.logits, trimmed.logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
