@@ -190,6 +190,7 @@ class AttentionShape(NamedTuple):
 
 LLAMA3_8B_ATTENTION = AttentionShape(32, 8, 128)
 SMOLLM2_ATTENTION = AttentionShape(9, 3, 64)
+GEMMA2_9B_ATTENTION = AttentionShape(16, 8, 256)  # the softcapped model's global layers (head dim 256)
 
 
 def structured_qkv(batch: int, num_queries: int, length: int, structured: bool = True, seed: int = 0,

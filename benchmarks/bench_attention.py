@@ -75,8 +75,8 @@ from pathlib import Path
 
 import torch
 
-from _common import (LLAMA3_8B_ATTENTION, SMOLLM2_ATTENTION, best_sdpa, cell, environment, graph_ms, header,
-                     median_ms, progress, require_cuda, speedup, structured_qkv, table, write_json)
+from _common import (GEMMA2_9B_ATTENTION, LLAMA3_8B_ATTENTION, SMOLLM2_ATTENTION, best_sdpa, cell, environment,
+                     graph_ms, header, median_ms, progress, require_cuda, speedup, structured_qkv, table, write_json)
 from hf_sparse import kernels
 from hf_sparse.config import PLASConfig, XAttnConfig
 from hf_sparse.kernels import reference as ref, sparse_prefill
@@ -88,7 +88,8 @@ SHAPE = LLAMA3_8B_ATTENTION
 Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
 PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
-CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION}
+CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION,
+                    "gemma2-9b": GEMMA2_9B_ATTENTION}  # Gemma 2's head dim 256, for --features (softcap)
 
 #: ``--tune`` sweeps, per kernel module: every combination of these settings of its ``TUNING`` dict.
 TUNE_GRIDS = {
@@ -716,7 +717,8 @@ def main() -> None:
                              + "; ".join(f"{kernel}: {grid}" for kernel, grid in TUNE_GRIDS.items()))
     parser.add_argument("--crossover", type=int, nargs="*", metavar="LENGTH",
                         help="study: the density where sparse prefill stops paying (no value: 32768 131072)")
-    parser.add_argument("--crossover-shapes", nargs="+", choices=list(CROSSOVER_SHAPES), default=list(CROSSOVER_SHAPES))
+    parser.add_argument("--crossover-shapes", nargs="+", choices=list(CROSSOVER_SHAPES),
+                        default=["llama3-8b", "smollm2"])
     parser.add_argument("--crossover-densities", type=float, nargs="+",
                         default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], help="(default: %(default)s)")
     parser.add_argument("--int8-layouts", type=int, nargs="*", metavar="LENGTH",

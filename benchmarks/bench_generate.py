@@ -387,10 +387,10 @@ def main() -> None:
                 row["ttft_alone_s"], row["ttft_s"] = row["ttft_s"], statistics.median(ttft[row["method"]])
         add_ratios(at_length, args.tpot_tokens)
         rows += at_length
+        if args.json:  # after each length: a run cut short keeps the lengths it finished
+            write_json(args.json, {"environment": env, "model": described,
+                                   "arguments": {**vars(args), "lengths": lengths}, "rows": rows})
     print_table(rows, args.tpot_tokens, env, described, args.repeats)
-    if args.json:
-        write_json(args.json, {"environment": env, "model": described, "arguments": {**vars(args), "lengths": lengths},
-                               "rows": rows})
     if args.plot:
         plot(rows, args.tpot_tokens, args.plot, f"{described}\n{header(env)}")
 

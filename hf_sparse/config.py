@@ -182,12 +182,12 @@ class PLASConfig(_MethodConfig):
             rows feed nothing the call returns (the cache keeps its keys and values, which come from its input)
             and are zero. A forward that runs dense throughout computes every row (outputs equal to sdpa's);
             ``False`` computes every row always.
-        prefill_mlp_chunk: in a ``generate()`` forward over a sequence long enough to attend sparsely
-            (``dense_below``), each decoder layer's dense feed-forward block holds fewer activations at once
-            (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen, Mistral, ...) computes its gate in
-            place (same values and launches), other blocks run over slices of this many tokens (batch x
-            positions). This keeps a long prefill's peak memory under dense attention's (the sparse cache holds
-            block summaries besides the K/V). ``None`` runs each block as transformers does.
+        prefill_mlp_chunk: in a ``generate()`` prefill each decoder layer's dense feed-forward block holds fewer
+            activations at once (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen, Mistral, ...)
+            computes its gate in place (same values and launches), other blocks run over slices of this many
+            tokens (batch x positions) when the prefill has more. This keeps the prefill's peak memory under
+            dense attention's (the sparse cache holds block summaries besides the K/V). ``None`` runs each block
+            as transformers does.
     """
 
     block_size: int = 128
@@ -339,7 +339,7 @@ class XAttnConfig(_MethodConfig):
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
         trim_last_layer: as :class:`PLASConfig`'s: a generate() prefill's last layer attends for the positions
             whose logits it keeps only.
-        prefill_mlp_chunk: as :class:`PLASConfig`'s: a long generate() prefill's feed-forward blocks hold fewer
+        prefill_mlp_chunk: as :class:`PLASConfig`'s: a generate() prefill's feed-forward blocks hold fewer
             activations.
     """
 
@@ -459,7 +459,7 @@ class StarConfig(_MethodConfig):
             the device) from a captured CUDA graph; ``False`` decodes eagerly (sdpa over the cache).
         decode_compile: as :class:`PLASConfig`'s: compiled norms and MLPs in the captured decode step.
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
-        prefill_mlp_chunk: as :class:`PLASConfig`'s: a long generate() prefill's feed-forward blocks hold fewer
+        prefill_mlp_chunk: as :class:`PLASConfig`'s: a generate() prefill's feed-forward blocks hold fewer
             activations.
     """
 

@@ -1,11 +1,11 @@
-"""Feed-forward blocks that hold less memory in a long ``generate()`` prefill.
+"""Feed-forward blocks that hold less memory in a ``generate()`` prefill.
 
-A long prefill's peak memory is not its attention: it is a decoder layer's feed-forward block, whose gated MLP holds
+A prefill's peak memory is not its attention: it is a decoder layer's feed-forward block, whose gated MLP holds
 three ``[tokens, intermediate_size]`` activations at once (SmolLM2 at 128K tokens: 1.1 GiB, against its whole KV
 cache's 2.8 GiB). :func:`swap_in` (from ``integration``'s generate() hooks) runs the blocks through
-:func:`lean_forward` in the forwards of a ``generate()`` call whose sequence is long enough for the method to attend
-sparsely (shorter inputs run as transformers runs them), which keeps every method's peak under dense attention's
-although the sparse cache holds block summaries that a dense cache does not (:class:`hf_sparse.cache.SparseCacheLayer`).
+:func:`lean_forward` in the prefill forwards of a ``generate()`` call, which keeps every method's peak under dense
+attention's although the sparse cache holds block summaries that a dense cache does not
+(:class:`hf_sparse.cache.SparseCacheLayer`).
 Without gradients (as generate() runs), a gated MLP whose forward is transformers'
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Mistral, Qwen, Gemma, ...: the forward's code is compared)
 runs

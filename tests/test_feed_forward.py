@@ -1,4 +1,4 @@
-"""A long generate() prefill's feed-forward blocks hold fewer activations (hf_sparse.feed_forward)."""
+"""A generate() prefill's feed-forward blocks hold fewer activations (hf_sparse.feed_forward)."""
 import copy
 
 import pytest
@@ -22,12 +22,12 @@ def _generate(model, make, prompt, mask, chunk, rows):
 @pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_long_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act):
-    """In a prefill over ``dense_below`` a SiLU-gated MLP runs over the whole input with its gate in place (the
-    activation module is not called; logits bit-equal to its own forward's); a GELU-gated one (or a SiLU one whose
-    gate projection a hook watches) takes its gate and up projections over slices of at most ``prefill_mlp_chunk``
-    tokens (batch x positions) and its down projection over the whole input (the tokens and logits of whole-input
-    MLPs). A prefill under the threshold, and every decode step, run each MLP's own forward; nothing stays swapped
-    or hooked after."""
+    """In a prefill a SiLU-gated MLP runs over the whole input with its gate in place (the activation module is not
+    called; logits bit-equal to its own forward's), also under ``dense_below`` (where the logits stay bit-equal to
+    sdpa's); a GELU-gated one (or a SiLU one whose gate projection a hook watches) takes its gate and up projections
+    over slices of at most ``prefill_mlp_chunk`` tokens (batch x positions) and its down projection over the whole
+    input (the tokens and logits of whole-input MLPs). Every decode step runs each MLP's own forward; nothing stays
+    swapped or hooked after."""
     config = tiny_config("llama", layers=3)
     config.hidden_act = act
     model = build(config, "sdpa")
@@ -64,9 +64,17 @@ def test_long_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs
             activations.clear()
             assert torch.equal(_generate(model, make, ids, mask, 10**6, rows).sequences, whole.sequences)
             assert rows[:layers] == [(2, 80)] * layers and activations[:1] == [(2, 1)]
+        own = _generate(model, make, ids[:, :30], mask[:, :30], None, rows)  # under dense_below: dense
         activations.clear()
-        _generate(model, make, ids[:, :30], mask[:, :30], 8, rows)  # under dense_below: the blocks' own forwards
-        assert rows[:layers] == [(2, 30)] * layers and activations[:1] == [(2, 30)]
+        short = _generate(model, make, ids[:, :30], mask[:, :30], 10**6, rows)
+        assert rows[:layers] == [(2, 30)] * layers
+        assert activations[:1] == ([(2, 1)] if act == "silu" else [(2, 30)])
+        assert all(torch.equal(a, b) for a, b in zip(short.logits, own.logits))
+        model.config._attn_implementation = "sdpa"
+        dense = model.generate(ids[:, :30], attention_mask=mask[:, :30], max_new_tokens=1, do_sample=False,
+                               pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        model.config._attn_implementation = method
+        assert torch.equal(short.logits[0], dense.logits[0])  # the prefill's logits: sdpa's bit for bit
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
 
