@@ -284,6 +284,19 @@ def test_transformers_static_cache_is_mapped_or_refused():
         model(ids, past_key_values=StaticCache(config=config, max_cache_len=64))
 
 
+def test_static_cache_room_stays_under_a_sixteenth_of_the_call():
+    """A static cache rounds a call's tokens up to steps of 256, or of less for short calls, so that the room beyond
+    them stays under a sixteenth (at least a block)."""
+    from hf_sparse.integration import STATIC_CACHE_STEP, static_cache_tokens
+
+    for block in (16, 64, 128):
+        for length in list(range(1, 300)) + [1088, 2112, 4160, 8256, 32832, 131136]:
+            tokens = static_cache_tokens(length, block)
+            assert tokens >= length and tokens % block == 0
+            assert tokens - length < max(block, length / 16, 1) and tokens - length < max(block, STATIC_CACHE_STEP)
+    assert static_cache_tokens(4160, 64) == 4352 and static_cache_tokens(1088, 64) == 1088
+
+
 def test_generate_reuses_its_static_cache_while_it_fits():
     """The static SparseCache generate() makes is kept for the next call: reset and reused while the call fits it
     (same batch; a prompt and new tokens within its storage, which is not more than about twice what the call
@@ -298,7 +311,7 @@ def test_generate_reuses_its_static_cache_while_it_fits():
     kwargs = dict(do_sample=False, pad_token_id=0, cache_implementation="static", return_dict_in_generate=True)
     first = model.generate(ids, max_new_tokens=6, **kwargs)
     cache = first.past_key_values
-    assert cache.layers[0].capacity == 256  # 66 tokens in steps of integration.STATIC_CACHE_STEP
+    assert cache.layers[0].capacity == 80  # 66 tokens in steps of 16: integration.static_cache_tokens
     storage = cache.layers[0].key_storage
     graphs.release(model)
     expected = {n: model.generate(ids[:, :n], max_new_tokens=9, **kwargs).sequences for n in (60, 41)}
