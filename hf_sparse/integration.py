@@ -72,11 +72,11 @@ def static_cache_tokens(length: int, block_size: int) -> int:
     """The tokens a static cache for ``length`` tokens holds: ``length`` rounded up to a step of
     :data:`STATIC_CACHE_STEP`, or for calls shorter than 16 such steps to the largest power of two of at most
     ``length / 16`` (and at least ``block_size``). The room beyond ``length`` then stays under a sixteenth of it:
-    less than the feed-forward activation that :mod:`hf_sparse.feed_forward` saves in the prefill (SmolLM2 at 1K:
-    64 slots, 1.4 MiB, against 3 MiB; 256 slots were 5.6 MiB, over sdpa-static's peak)."""
+    less than the feed-forward activation that :mod:`hf_sparse.feed_forward` saves in the prefill (SmolLM2, 1,024
+    tokens and 64 new ones at block 128: 64 slots, 1.4 MiB, against 3 MiB; a 256-token step left 192 slots, 4.2 MiB,
+    and a peak over sdpa-static's)."""
     step = max(block_size, min(STATIC_CACHE_STEP, 1 << max(0, (length // 16).bit_length() - 1)))
     return -(-length // step) * step
-
 
 
 try:  # cache_implementation values that make generate() preallocate its cache

@@ -21,7 +21,7 @@ def _generate(model, make, prompt, mask, chunk, rows):
 
 @pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_long_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act):
+def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act):
     """In a prefill a SiLU-gated MLP runs over the whole input with its gate in place (the activation module is not
     called; logits bit-equal to its own forward's), also under ``dense_below`` (where the logits stay bit-equal to
     sdpa's); a GELU-gated one (or a SiLU one whose gate projection a hook watches) takes its gate and up projections
