@@ -155,10 +155,11 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         cache = None
         if length is not None:
             # Static storage in steps of up to STATIC_CACHE_STEP tokens, kept for the next call that fits (graphs.py).
-            length = static_cache_tokens(length, block_size_for(self.config))
+            block_size = block_size_for(self.config)
+            length = static_cache_tokens(length, block_size)
             batch = args[1] if len(args) > 1 else kwargs.get("batch_size")
-            cache = graphs.reusable_cache(self, length, batch if isinstance(batch, int) else None,
-                                          block_size_for(self.config), kv_dtype_for(self.config))
+            cache = graphs.reusable_cache(self, length, batch if isinstance(batch, int) else None, block_size,
+                                          kv_dtype_for(self.config))
         if cache is None:
             cache = SparseCache(self.config, max_cache_len=length)
             if length is not None:
