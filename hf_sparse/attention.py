@@ -125,7 +125,7 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
 
 
 #: Keyword arguments that take a call off :func:`known_dense_prefill`'s path when set (a feature to compute or refuse).
-_UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
+UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
 
 
 #: :func:`known_dense_prefill`'s reasons that hold for every layer of a forward (its shapes and configuration
@@ -140,13 +140,13 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
     layer) or ``"floor"`` (where the density fallback applies, the method's sparsest possible selection already
     reaches the density threshold: its ``density_floor``, PLAS at head dim 64 up to about 16K tokens, XAttention's
     scoring at head dim 64 up to about 32K); None otherwise. Such a call needs nothing beyond sdpa (no logN, no
-    int8 K/V to dequantise, none of :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of
+    int8 K/V to dequantise, none of :data:`UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of
     this size is bound by the host's time per layer, and the decision is to cost next to nothing beside sdpa's
     own call."""
     if (call_phase(num_queries, key_length) != "prefill" or getattr(config, "logn_scaling", False)
             or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)):
         return None
-    if not _UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS):
+    if not UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in UNUSUAL_KWARGS):
         return None
     if key_length < config.dense_threshold("prefill"):
         return "length"
@@ -179,10 +179,30 @@ def _dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int
     return entry[4]
 
 
-def _remember_dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
-                            attention_mask: torch.Tensor | None) -> None:
-    """Keep a first layer's forward-wide dense decision for the forward's later layers (2D masks only: a forward
-    without a mask has nothing that tells it from the next one)."""
+def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                  kwargs: dict[str, Any]) -> tuple[torch.Tensor, None] | None:
+    """The attention of a later layer of a forward whose first layer ran dense for the whole forward
+    (:func:`remember_dense_forward`), in the fewest host steps (a prompt of a few thousand tokens is bound by the
+    host's time per layer): sdpa straight where the mask holds no padding, else
+    :func:`~hf_sparse.dense.dense_attention`. None for any other call, and while recording (which names each
+    layer's reason)."""
+    if recording():
+        return None
+    unmasked = _dense_forward(module, query, key.shape[2], attention_mask)
+    if unmasked is None or not (UNUSUAL_KWARGS.isdisjoint(kwargs)
+                                or all(kwargs.get(name) is None for name in UNUSUAL_KWARGS)):
+        return None
+    if unmasked:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def remember_dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
+                           attention_mask: torch.Tensor | None) -> None:
+    """Keep a first layer's forward-wide dense decision for the forward's later layers (:func:`decided_dense`;
+    2D masks only: a forward without a mask has nothing that tells it from the next one). The caller has decided
+    from the shapes and the configuration alone that a plain sdpa call is every layer's attention."""
     if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
         _DENSE_FORWARD.clear()
         return
@@ -274,15 +294,11 @@ def sparse_attention_forward(
     scaled scores and rescale the output by the sinks (``kernels.reference.sparse_attention``); the selection
     sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
     key_length = key.shape[2]
-    # The common prompt that runs dense in every layer, in the fewest host steps (a prompt of a few thousand tokens
-    # is bound by the host's time per layer): the first layer decides for the forward, the later ones look it up.
-    # Recording takes the path below, which names each layer's reason.
-    unmasked = _dense_forward(module, query, key_length, attention_mask) if not recording() else None
-    if unmasked is not None and (_UNUSUAL_KWARGS.isdisjoint(kwargs)
-                                 or all(kwargs.get(name) is None for name in _UNUSUAL_KWARGS)):
-        if unmasked:
-            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-        return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    # The common prompt that runs dense in every layer: the first layer decides for the forward, the later ones
+    # look it up.
+    decided = decided_dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if decided is not None:
+        return decided
     num_queries = query.shape[2]
     config = method_config(module.config, method)
     cache_layer = getattr(key, LAYER_ATTR, None)
@@ -291,7 +307,7 @@ def sparse_attention_forward(
         known = known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer, kwargs)
         if known is not None:
             if known in FORWARD_WIDE:
-                _remember_dense_forward(module, query, key_length, attention_mask)
+                remember_dense_forward(module, query, key_length, attention_mask)
             return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    **kwargs)
     if cache_layer is not None and cache_layer.row_layout is None and cache_layer.static:

@@ -31,8 +31,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, call_phase, check_supported,
-                        method_config, static_decode)
+from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, UNUSUAL_KWARGS, all_blocks_decode, call_phase,
+                        check_supported, decided_dense, method_config, remember_dense_forward, static_decode)
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
 from .padding import padding_layout
@@ -98,6 +98,9 @@ def star_attention_forward(
     (generation). Contexts shorter than ``config.dense_threshold``, contexts whose pattern keeps more than
     ``config.dense_above_density`` of the causal blocks (one process) and ``dense_layers`` run dense (sdpa).
     """
+    decided = decided_dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if decided is not None:  # a later layer of a prompt that the first layer found shorter than dense_below
+        return decided
     batch, q_heads, num_queries, head_dim = query.shape
     key_length = key.shape[2]
     check_supported(kwargs, key_length, implementation="star")  # softcap, s_aux, windows: refused by name
@@ -150,12 +153,13 @@ def star_attention_forward(
                                  scale, **kwargs)
 
     reason = None
+    short = context_length < config.dense_threshold(CONTEXT_PHASE)
     if context_queries == 0:
         _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
         return global_attention(query), None
     if config.is_dense_layer(layer_idx, num_layers):
         reason = "dense_layers"
-    elif context_length < config.dense_threshold(CONTEXT_PHASE):
+    elif short:
         reason = f"context {context_length} < dense_below {config.dense_threshold(CONTEXT_PHASE)}"
     elif config.dense_above_density is not None and not (run is not None and run.sharded):
         density = StarMethod(config).context_density(context_queries)
@@ -165,6 +169,10 @@ def star_attention_forward(
     if reason is not None:
         logger.debug("layer %d: dense (%s)", layer_idx, reason)
         _record_dense(layer_idx, CONTEXT_PHASE, reason)
+        if (run is None and short and logn_base is None and cache_layer is None
+                and not any(kwargs.get(name) is not None for name in UNUSUAL_KWARGS)):
+            # A prompt shorter than dense_below: sdpa in every layer; the later layers skip the steps above.
+            remember_dense_forward(module, query, key_length, attention_mask)
         return global_attention(query), None
     if dropout:
         raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
