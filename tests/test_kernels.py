@@ -181,6 +181,38 @@ def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
 
 
 
+@pytest.mark.parametrize("block, block_n", [(32, 16), (64, 16)])
+@pytest.mark.parametrize("variant", ["plain", "chunk", "softcap", "int8"])
+def test_sparse_prefill_several_key_tiles_per_block(block, block_n, variant, monkeypatch):
+    """Launch settings whose key tile is shorter than the block (head dim 128 takes 64-key tiles of 128-token
+    blocks): one tile per loop step, each block's tiles in order, the masked tiles past the length and on the
+    diagonal included; the reference's result for plain, chunked, capped and int8 K/V prefill."""
+    from hf_sparse.kernels import sparse_prefill
+
+    monkeypatch.setattr(sparse_prefill, "launch_configs", lambda *args: [(64, block_n, 2)])
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = SHAPES[1]
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed("tiles per block", block, block_n, variant))
+    length = 150
+    num_queries = 61 if variant == "chunk" else length
+    q_offset = length - num_queries
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen) * 3
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, "bnsd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    tiles = ref.num_query_tiles(num_queries, q_offset, kv_start, 32)
+    selection = random_selection(batch, kv_heads, tiles, ref.num_row_blocks(length, kv_start, block), block, 32, gen)
+    extra = {"softcap": 5.0} if variant == "softcap" else {}
+    if variant == "int8":
+        (key, key_scale), (value, value_scale) = ref.quantize_per_token(key), ref.quantize_per_token(value)
+        extra.update(key_scale=key_scale, value_scale=value_scale)
+    expected_out, expected_lse = ref.sparse_attention(query, key, value, selection, scale=dim ** -0.5,
+                                                      q_offset=q_offset, kv_start=kv_start, **extra)
+    out, lse = sparse_prefill.sparse_prefill(query, key, value, selection, scale=dim ** -0.5, q_offset=q_offset,
+                                             kv_start=kv_start, **extra)
+    assert_attention_close(out, lse, expected_out, expected_lse, dtype)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
 def test_sparse_prefill_three_heads_per_kv_head(size, dtype_name):

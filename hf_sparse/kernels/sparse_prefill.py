@@ -26,32 +26,35 @@ from ._common import (FIXED_MAX_HEADROOM, attention_outputs, cdiv, dot_settings,
                       softcap_mode, softcap_sink_args, value_args, values_aligned, wide_offsets)
 
 #: Launch settings of the prefill kernel (H100 / H200 defaults; benchmarks/bench_attention.py --tune tries others).
-TUNING = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
-#: What differs for head dims of at most 64 (SmolLM2's): with half the dot's depth per score, a program of 4 warps
-#: over 64-key steps keeps the tensor cores and the softmax's exp2 units busier (128K, H200: 6.58 ms vs 8.23 ms
-#: with TUNING's settings; docs/kernels.md).
-TUNING_SMALL_HEAD = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-#: What differs again for capped scores (softcap) of bfloat16 / float16 K/V at head dims of at most 64: 128-key
-#: steps in 3 stages (SmolLM2 shape, H100, 32K / 128K: capped 1.72 -> 1.55 / 7.98 -> 7.27 ms, plain unchanged
-#: within 2%; int8 K/V 1.8x slower with these, so they keep TUNING_SMALL_HEAD; docs/benchmarks.md).
-TUNING_SMALL_HEAD_CAPPED = {"block_n": 128, "num_warps": 4, "num_stages": 3}
+#: Head dim 128 (Llama-3-8B shape, H100, 32K): one warp group over 64-key steps, two programs per SM that overlap
+#: one's softmax with the other's matrix products: plain 8.37 -> 7.90 ms, capped 9.60 -> 7.81 ms against 8 warps over
+#: 128-key steps (docs/benchmarks.md).
+TUNING = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
+#: What differs for int8 K/V at head dims past 64: 8 warps over 128-key steps in 3 stages (their dequantisation
+#: needs the registers: 13.05 ms against 14.48 with TUNING's settings, Llama-3-8B shape, 32K).
+TUNING_INT8 = {"block_n": 128, "num_warps": 8, "num_stages": 3}
+#: What differs for head dims of at most 64 (SmolLM2's): 128-key steps in 3 stages (SmolLM2 shape, H100, 32K / 128K:
+#: capped 1.72 -> 1.55 / 7.98 -> 7.27 ms against 64-key steps in 2, plain equal within 2%; docs/benchmarks.md).
+TUNING_SMALL_HEAD = {"block_n": 128, "num_warps": 4, "num_stages": 3}
+#: What differs for int8 K/V at head dims of at most 64: 64-key steps in 2 stages (1.8x faster than 128-key steps).
+TUNING_SMALL_HEAD_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-def launch_settings(head_dim: int, capped: bool = False) -> dict[str, int]:
+def launch_settings(head_dim: int, quantized: bool = False) -> dict[str, int]:
     """The launch settings for queries / keys of ``head_dim`` (values: the larger of the two head dims);
-    ``capped``: softcapped scores of half-precision (not int8) K/V."""
+    ``quantized``: int8 K/V."""
     if head_dim > 64:
-        return TUNING
-    return {**TUNING, **TUNING_SMALL_HEAD, **(TUNING_SMALL_HEAD_CAPPED if capped else {})}
+        return {**TUNING, **(TUNING_INT8 if quantized else {})}
+    return {**TUNING, **TUNING_SMALL_HEAD, **(TUNING_SMALL_HEAD_INT8 if quantized else {})}
 
 
 def launch_configs(dot_fp32: bool, head_dim: int, block_size: int,
-                   capped: bool = False) -> list[tuple[int, int, int]]:
+                   quantized: bool = False) -> list[tuple[int, int, int]]:
     """``(block_m, block_n, num_stages)`` to try in order: the tuned one, then smaller shared-memory footprints
     (float32 operands and head dims past 128 need 2-4x the bytes per tile)."""
     configs = []
     if not (dot_fp32 or head_dim > 128):
-        tuned = launch_settings(head_dim, capped)
+        tuned = launch_settings(head_dim, quantized)
         configs.append((tuned["block_m"], tuned["block_n"], tuned["num_stages"]))
     configs += [(64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1)]
     return [(m, min(n, block_size), stages) for m, n, stages in configs if block_size % min(n, block_size) == 0]
@@ -147,98 +150,101 @@ def _attend_entries(
     offs_dv = tl.arange(0, DV_PAD)
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
-    for i in range(first_entry, last_entry):
+    # One K/V tile of BLOCK_N slots per step (a block of BLOCK_SIZE is BLOCK_SIZE // BLOCK_N steps): one tile's
+    # loads in flight per pipeline stage, as few registers as the plain loop over tiles.
+    for step in range(first_entry * (BLOCK_SIZE // BLOCK_N), last_entry * (BLOCK_SIZE // BLOCK_N)):
+        i = step // (BLOCK_SIZE // BLOCK_N)
+        n0 = (step % (BLOCK_SIZE // BLOCK_N)) * BLOCK_N
         block = tl.load(idx_ptr + i * stride_ik)
         if V_ALIGNED:  # the same slot, written so that the compiler sees a multiple of BLOCK_N (wide masked loads)
             first = kv_tile * BLOCK_N + block * BLOCK_SIZE
         else:
             first = kv_start + block * BLOCK_SIZE
-        for n0 in tl.static_range(0, BLOCK_SIZE, BLOCK_N):
-            slots = first + n0 + tl.arange(0, BLOCK_N)
+        slots = first + n0 + tl.arange(0, BLOCK_N)
+        if WIDE_OFFSETS:
+            slot_offs = slots.to(tl.int64)
+        else:
+            slot_offs = slots
+        k_ptrs = k_base + slot_offs[None, :] * stride_ks + offs_d[:, None] * stride_kd
+        if V_BLOCK == 0:
+            v_ptrs = v_base + slot_offs[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+        elif V_ALIGNED:
+            tile = kv_tile + block * (BLOCK_SIZE // BLOCK_N) + n0 // BLOCK_N
+            in_block = (tile % (V_BLOCK // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+            storage_block = tile // (V_BLOCK // BLOCK_N)
             if WIDE_OFFSETS:
-                slot_offs = slots.to(tl.int64)
+                storage_block = storage_block.to(tl.int64)
+            v_ptrs = (v_base + storage_block * stride_vblk + in_block[:, None] * stride_vs
+                      + offs_dv[None, :] * stride_vd)
+        else:
+            v_ptrs = (v_base + (slot_offs // V_BLOCK)[:, None] * stride_vblk
+                      + (slot_offs % V_BLOCK)[:, None] * stride_vs + offs_dv[None, :] * stride_vd)
+        if MASKED:
+            n_ok = slots < key_length
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            if V_ALIGNED:
+                # One mask for the tile (it lies in one stored block, which exists when it starts before the
+                # length) keeps the loads wide; slots past the length hold finite int8 that probability 0 weights.
+                tile_in = (tl.zeros([BLOCK_N], tl.int32) + (first + n0)) < key_length
+                v = tl.load(v_ptrs, mask=tile_in[:, None] & dv_ok[None, :], other=0.0)
             else:
-                slot_offs = slots
-            k_ptrs = k_base + slot_offs[None, :] * stride_ks + offs_d[:, None] * stride_kd
-            if V_BLOCK == 0:
-                v_ptrs = v_base + slot_offs[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-            elif V_ALIGNED:
-                tile = kv_tile + block * (BLOCK_SIZE // BLOCK_N) + n0 // BLOCK_N
-                in_block = (tile % (V_BLOCK // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-                storage_block = tile // (V_BLOCK // BLOCK_N)
-                if WIDE_OFFSETS:
-                    storage_block = storage_block.to(tl.int64)
-                v_ptrs = (v_base + storage_block * stride_vblk + in_block[:, None] * stride_vs
-                          + offs_dv[None, :] * stride_vd)
-            else:
-                v_ptrs = (v_base + (slot_offs // V_BLOCK)[:, None] * stride_vblk
-                          + (slot_offs % V_BLOCK)[:, None] * stride_vs + offs_dv[None, :] * stride_vd)
+                v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        elif D_PAD == HEAD_DIM and DV_PAD == HEAD_DIM_V:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif QUANT:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if QUANT:
             if MASKED:
-                n_ok = slots < key_length
-                k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-                if V_ALIGNED:
-                    # One mask for the tile (it lies in one stored block, which exists when it starts before the
-                    # length) keeps the loads wide; slots past the length hold finite int8 that probability 0 weights.
-                    tile_in = (tl.zeros([BLOCK_N], tl.int32) + (first + n0)) < key_length
-                    v = tl.load(v_ptrs, mask=tile_in[:, None] & dv_ok[None, :], other=0.0)
-                else:
-                    v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-            elif D_PAD == HEAD_DIM and DV_PAD == HEAD_DIM_V:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
+                k_scale = tl.load(ks_base + slot_offs * stride_kss, mask=n_ok, other=0.0)
+                v_scale = tl.load(vs_base + slot_offs * stride_vss, mask=n_ok, other=0.0)
             else:
-                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            elif QUANT:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            if QUANT:
-                if MASKED:
-                    k_scale = tl.load(ks_base + slot_offs * stride_kss, mask=n_ok, other=0.0)
-                    v_scale = tl.load(vs_base + slot_offs * stride_vss, mask=n_ok, other=0.0)
-                else:
-                    k_scale = tl.load(ks_base + slot_offs * stride_kss)
-                    v_scale = tl.load(vs_base + slot_offs * stride_vss)
-            if ROW_SCALE:
-                scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2[:, None]
-            else:
-                scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-            if QUANT:
-                scores = scores * k_scale[None, :]
-            cap = 1.0  # what the scores are in units of: the cap while it is folded into the softmax below
-            if SOFTCAP:
-                scores = _tanh(scores, SOFTCAP)
-                if ALIBI:
-                    scores = scores * softcap_log2
-                else:
-                    cap = softcap_log2
+                k_scale = tl.load(ks_base + slot_offs * stride_kss)
+                v_scale = tl.load(vs_base + slot_offs * stride_vss)
+        if ROW_SCALE:
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2[:, None]
+        else:
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if QUANT:
+            scores = scores * k_scale[None, :]
+        cap = 1.0  # what the scores are in units of: the cap while it is folded into the softmax below
+        if SOFTCAP:
+            scores = _tanh(scores, SOFTCAP)
             if ALIBI:
-                scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
-            if MASKED:
-                visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
-                scores = tl.where(visible, scores, float("-inf"))
-            if FIXED_MAX:  # capped scores are at most `cap`: a constant in place of the running maximum
-                p = tl.exp2(scores * cap - m_fixed)
-                l_i = l_i + tl.sum(p, 1)
-                if QUANT:
-                    p = p * v_scale[None, :]
-                acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                scores = scores * softcap_log2
             else:
-                m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
-                if MASKED:
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_use = m_new
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(scores * cap - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if QUANT:
-                    p = p * v_scale[None, :]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+                cap = softcap_log2
+        if ALIBI:
+            scores += alibi_log2[:, None] * (slots[None, :] - q_slot[:, None]).to(tl.float32)
+        if MASKED:
+            visible = n_ok[None, :] & (slots[None, :] <= q_slot[:, None]) & row_ok[:, None]
+            scores = tl.where(visible, scores, float("-inf"))
+        if FIXED_MAX:  # capped scores are at most `cap`: a constant in place of the running maximum
+            p = tl.exp2(scores * cap - m_fixed)
+            l_i = l_i + tl.sum(p, 1)
+            if QUANT:
+                p = p * v_scale[None, :]
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * cap)
+            if MASKED:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores * cap - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if QUANT:
+                p = p * v_scale[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     if FIXED_MAX:
         m_i = tl.zeros_like(l_i) + m_fixed
     return acc, l_i, m_i
@@ -425,9 +431,9 @@ def sparse_prefill(
         ALIBI=alibi_slopes is not None, SOFTCAP=softcap_mode(softcap, query),
         FIXED_MAX=fixed_max(softcap, query, alibi_slopes), HAS_SINKS=sinks is not None,
     )
-    capped = softcap is not None and key.dtype != torch.int8
-    warps = launch_settings(max(head_dim, head_dim_v), capped)["num_warps"]
-    for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size, capped):
+    quantized = key.dtype == torch.int8
+    warps = launch_settings(max(head_dim, head_dim_v), quantized)["num_warps"]
+    for block_m, block_n, stages in launch_configs(dot_fp32, max(head_dim, head_dim_v), block_size, quantized):
         heads_per_prog = program_heads(heads_per_row, query_tile, block_m)
         queries_per_prog = queries_per_program(heads_per_prog, query_tile, block_m)
         rows = max(16, next_power_of_2(heads_per_prog * queries_per_prog))
