@@ -36,6 +36,22 @@ def build(config, attn: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=torch.float32).eval()
 
 
+def counting(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` with a wrapper that records each call's positional arguments; the list of them."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
+    return calls
+
+
+def unpadded_padded_unpadded(length: int = 40):
+    """Token ids ``[2, length]`` and three forwards' masks: no padding, the second row left-padded by 7, no
+    padding again (a new mask tensor each time)."""
+    ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(5))
+    padded = torch.ones_like(ids)
+    padded[1, :7] = 0
+    return ids, [torch.ones_like(ids), padded, torch.ones_like(ids)]
+
+
 def full_density(block_size: int = 16) -> hf_sparse.PLASConfig:
     """Sparse path everywhere, but every block selected: must equal dense attention."""
     return hf_sparse.PLASConfig(block_size=block_size, prefill_top_k=(10_000, 10_000), decode_top_k=(10_000, 10_000),

@@ -9,7 +9,7 @@ from hf_sparse.cache import SparseCache
 from hf_sparse.kernels import reference as ref
 from hf_sparse.methods import METHODS
 
-from conftest import build, full_density, tiny_config
+from conftest import build, counting, full_density, tiny_config, unpadded_padded_unpadded
 
 GQA = {1: (4, 4), 3: (6, 2), 4: (8, 2)}
 
@@ -525,38 +525,41 @@ def test_known_dense_prefill(method, monkeypatch):
     assert known(softcap=None)
 
 
-@pytest.mark.parametrize("method", ["plas", "xattn"])
+@pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 def test_first_layer_decides_a_dense_forward(method, monkeypatch):
-    """A prompt below dense_below is decided dense by its first layer (one known_dense_prefill call per forward);
-    the later layers reuse the decision: sdpa straight where the mask holds no padding, else dense_attention.
-    Logits equal sdpa's either way; the next forward (a new mask) decides again; decode steps and recording
-    are decided per call."""
+    """A prompt below dense_below is decided dense by its first layer (PLAS / XAttention: one known_dense_prefill
+    call per forward; Star: one pass through its own dense path); the later layers reuse the decision: sdpa straight
+    where the mask holds no padding, else dense_attention. Logits equal sdpa's either way; the next forward (a new
+    mask) decides again; decode steps and recording are decided per layer."""
     import hf_sparse.attention as attention
+    import hf_sparse.star_attention as star_attention
+    from hf_sparse.cache import CACHE_KWARG
 
     config = tiny_config("llama", 4, 2, layers=4)
     sparse, dense = build(config, method), build(config, "sdpa")
-    decisions, dense_calls = [], []
-    original_known, original_dense = attention.known_dense_prefill, attention.dense_attention
-    monkeypatch.setattr(attention, "known_dense_prefill", lambda *a: decisions.append(a[4]) or original_known(*a))
-    monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or original_dense(*a, **k))
-    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
-    ones = torch.ones_like(ids)
-    padded = ones.clone()
-    padded[1, :7] = 0
+    if method == "star":  # Star's own dense path (its dense_attention is its module's name, not counted below)
+        hf_sparse.configure(sparse, hf_sparse.StarConfig(block_size=64, query_tokens=4))
+        decisions = counting(monkeypatch, star_attention, "_global_attention")
+        first_dense, recorded, phase = 0, 4, "context"
+    else:
+        decisions = counting(monkeypatch, attention, "known_dense_prefill")
+        first_dense, recorded, phase = 1, 0, "prefill"
+    dense_calls = counting(monkeypatch, attention, "dense_attention")
+    ids, masks = unpadded_padded_unpadded()
     with torch.no_grad():
-        for mask, through_dense in ((ones, 1), (padded, 4), (ones, 1)):
+        for mask, padded in zip(masks, (False, True, False)):
             decisions.clear(), dense_calls.clear()
             assert torch.equal(sparse(ids, attention_mask=mask).logits, dense(ids, attention_mask=mask).logits)
-            assert decisions == [40] and len(dense_calls) == through_dense
-        out = sparse(ids, attention_mask=ones, use_cache=True)
-        step = torch.ones(2, 41, dtype=ones.dtype)
+            assert len(decisions) == 1 and len(dense_calls) == first_dense + (3 if padded else 0)
+        out = sparse(ids, attention_mask=masks[0], use_cache=True)
         decisions.clear()
-        sparse(ids[:, -1:], attention_mask=step, past_key_values=out.past_key_values)
-        assert decisions == [41] * 4  # decode: no forward-wide decision
+        step = sparse(ids[:, -1:], attention_mask=torch.ones(2, 41, dtype=ids.dtype),
+                      **{CACHE_KWARG: out.past_key_values})
+        assert len(decisions) == 4 and torch.isfinite(step.logits).all()  # decode: no forward-wide decision
         decisions.clear()
         with hf_sparse.record_sparsity() as rec:
-            sparse(ids, attention_mask=ones)
-        assert decisions == [] and len(rec.dense_layers("prefill")) == 4
+            sparse(ids, attention_mask=masks[0])
+        assert len(decisions) == recorded and len(rec.dense_layers(phase)) == 4
 
 
 def test_density_floor_matches_the_sparsest_selection():

@@ -16,7 +16,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse
 from hf_sparse import distributed, star_attention
-from hf_sparse.cache import CACHE_KWARG
 from hf_sparse.config import CONFIG_KEY, StarConfig, config_from_dict
 from hf_sparse.integration import padding_mask
 from hf_sparse.methods.star import StarMethod
@@ -234,39 +233,6 @@ def test_short_context_is_bit_equal_to_sdpa():
         assert torch.equal(model(ids).logits, dense(ids).logits)
     assert set(recorder.dense_layers("context").values()) == {"context 56 < dense_below 64"}
 
-
-def test_first_layer_decides_a_short_prompt_dense(monkeypatch):
-    """A prompt whose context is shorter than dense_below is decided by its first layer; the later layers take
-    sdpa without Star's steps (unpadded: sdpa straight; padded: dense_attention). Logits equal sdpa's either
-    way; decode steps and recording are decided per layer."""
-    import hf_sparse.attention as attention
-
-    config = tiny_config("llama", 4, 2, layers=4)
-    model = star_model(config, StarConfig(block_size=64, query_tokens=4))
-    dense = build(config, "sdpa")
-    decided, dense_calls = [], []
-    original_global, original_dense = star_attention._global_attention, attention.dense_attention
-    monkeypatch.setattr(star_attention, "_global_attention",
-                        lambda *a, **k: decided.append(1) or original_global(*a, **k))
-    monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or original_dense(*a, **k))
-    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
-    ones = torch.ones_like(ids)
-    padded = ones.clone()
-    padded[1, :7] = 0
-    with torch.no_grad():
-        for mask, through_dense in ((ones, 0), (padded, 3), (ones, 0)):
-            decided.clear(), dense_calls.clear()
-            assert torch.equal(model(ids, attention_mask=mask).logits, dense(ids, attention_mask=mask).logits)
-            assert len(decided) == 1 and len(dense_calls) == through_dense
-        out = model(ids, attention_mask=ones, use_cache=True)
-        decided.clear()
-        step = model(ids[:, -1:], attention_mask=torch.ones(2, 41, dtype=ones.dtype),
-                     **{CACHE_KWARG: out.past_key_values})
-        assert len(decided) == 4 and torch.isfinite(step.logits).all()  # decode: each layer its own
-        decided.clear()
-        with hf_sparse.record_sparsity() as rec:
-            model(ids, attention_mask=ones)
-        assert len(decided) == 4 and len(rec.dense_layers("context")) == 4
 
 def test_star_generate_equals_plain_generate_with_the_same_split():
     config = tiny_config("llama", 8, 2)
