@@ -27,14 +27,14 @@ from ._common import (FIXED_MAX_HEADROOM, attention_outputs, cdiv, dot_settings,
 
 #: Launch settings of the prefill kernel (H100 / H200 defaults; benchmarks/bench_attention.py --tune tries others).
 #: Head dim 128 (Llama-3-8B shape, H100, 32K): one warp group over 64-key steps, two programs per SM that overlap
-#: one's softmax with the other's matrix products: plain 8.37 -> 7.90 ms, capped 9.60 -> 7.81 ms against 8 warps over
-#: 128-key steps (docs/benchmarks.md).
+#: one's softmax with the other's matrix products: plain 7.93 ms, capped 7.92, against 8.48 / 9.64 with 8 warps over
+#: 128-key steps in 3 stages (docs/benchmarks.md, "Softcapping and attention sinks").
 TUNING = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
-#: What differs for int8 K/V at head dims past 64: 8 warps over 128-key steps in 3 stages (their dequantisation
-#: needs the registers: 13.05 ms against 14.48 with TUNING's settings, Llama-3-8B shape, 32K).
+#: What differs for int8 K/V at head dims past 64: 8 warps over 128-key steps in 3 stages (Llama-3-8B shape, 32K:
+#: 13.05 ms against 14.48 with TUNING's settings).
 TUNING_INT8 = {"block_n": 128, "num_warps": 8, "num_stages": 3}
 #: What differs for head dims of at most 64 (SmolLM2's): 128-key steps in 3 stages (SmolLM2 shape, H100, 32K / 128K:
-#: capped 1.72 -> 1.55 / 7.98 -> 7.27 ms against 64-key steps in 2, plain equal within 2%; docs/benchmarks.md).
+#: plain 1.42 / 6.54 ms against 1.42 / 6.71, capped 1.55 / 7.27 against 1.72 / 7.98 with 64-key steps in 2 stages).
 TUNING_SMALL_HEAD = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 #: What differs for int8 K/V at head dims of at most 64: 64-key steps in 2 stages (1.8x faster than 128-key steps).
 TUNING_SMALL_HEAD_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 2}
