@@ -125,7 +125,13 @@ def check_supported(kwargs: dict[str, Any], key_length: int, windows: bool = Fal
 
 
 #: Keyword arguments that take a call off :func:`known_dense_prefill`'s path when set (a feature to compute or refuse).
-UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
+_UNUSUAL_KWARGS = frozenset(FEATURES) | {"output_attentions", "sliding_window"}
+
+
+def asks_more_than_sdpa(kwargs: dict[str, Any]) -> bool:
+    """Whether a call's keyword arguments set any of :data:`_UNUSUAL_KWARGS` (a feature to compute or refuse, a
+    window): such a call is not decided dense from shapes alone. Most calls pass none of them: one set test."""
+    return not _UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS)
 
 
 #: :func:`known_dense_prefill`'s reasons that hold for every layer of a forward (its shapes and configuration
@@ -140,13 +146,13 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
     layer) or ``"floor"`` (where the density fallback applies, the method's sparsest possible selection already
     reaches the density threshold: its ``density_floor``, PLAS at head dim 64 up to about 16K tokens, XAttention's
     scoring at head dim 64 up to about 32K); None otherwise. Such a call needs nothing beyond sdpa (no logN, no
-    int8 K/V to dequantise, none of :data:`UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of
+    int8 K/V to dequantise, none of :data:`_UNUSUAL_KWARGS`) and is decided in a few host steps: a prefill of
     this size is bound by the host's time per layer, and the decision is to cost next to nothing beside sdpa's
     own call."""
     if (call_phase(num_queries, key_length) != "prefill" or getattr(config, "logn_scaling", False)
             or query.dtype not in SUPPORTED_DTYPES or getattr(cache_layer, "quantized", False)):
         return None
-    if not UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in UNUSUAL_KWARGS):
+    if asks_more_than_sdpa(kwargs):
         return None
     if key_length < config.dense_threshold("prefill"):
         return "length"
@@ -190,8 +196,7 @@ def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if recording():
         return None
     unmasked = _dense_forward(module, query, key.shape[2], attention_mask)
-    if unmasked is None or not (UNUSUAL_KWARGS.isdisjoint(kwargs)
-                                or all(kwargs.get(name) is None for name in UNUSUAL_KWARGS)):
+    if unmasked is None or asks_more_than_sdpa(kwargs):
         return None
     if unmasked:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)

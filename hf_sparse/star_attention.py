@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, UNUSUAL_KWARGS, all_blocks_decode, call_phase,
+from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, asks_more_than_sdpa, call_phase,
                         check_supported, decided_dense, method_config, remember_dense_forward, static_decode)
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
@@ -153,10 +153,10 @@ def star_attention_forward(
                                  scale, **kwargs)
 
     reason = None
-    short = context_length < config.dense_threshold(CONTEXT_PHASE)
     if context_queries == 0:
         _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
         return global_attention(query), None
+    short = context_length < config.dense_threshold(CONTEXT_PHASE)
     if config.is_dense_layer(layer_idx, num_layers):
         reason = "dense_layers"
     elif short:
@@ -170,7 +170,7 @@ def star_attention_forward(
         logger.debug("layer %d: dense (%s)", layer_idx, reason)
         _record_dense(layer_idx, CONTEXT_PHASE, reason)
         if (run is None and short and logn_base is None and cache_layer is None
-                and not any(kwargs.get(name) is not None for name in UNUSUAL_KWARGS)):
+                and not asks_more_than_sdpa(kwargs)):
             # A prompt shorter than dense_below: sdpa in every layer; the later layers skip the steps above.
             remember_dense_forward(module, query, key_length, attention_mask)
         return global_attention(query), None
