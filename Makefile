@@ -31,8 +31,11 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_equivalence.py -k "triton or probe"
 
+# The GPU tests (on a machine with CUDA): Triton compiles in each worker, so several workers share the one GPU.
+GPU_JOBS ?= 8
+
 gpu-test: $(STAMP)
-	$(PY) -m pytest -q -rs -m gpu tests
+	$(PY) -m pytest -q -rs -m gpu -n $(GPU_JOBS) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import kernels
 from .cache import DECODE_MAX_QUERY, LAYER_ATTR
-from .config import config_value, method_config
+from .config import config_value, method_config, stored_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from . import density
 from .density import PROBE_QUERIES, block_counts, falls_back_by_density, selection_density
@@ -169,20 +169,33 @@ def known_dense_prefill(config: Any, method: str, module: torch.nn.Module, num_q
 
 
 #: The forward whose layers all run sdpa (a :data:`FORWARD_WIDE` decision of its first layer), one tuple replaced
-#: whole: (weak reference to its 2D mask, which transformers makes once per forward and hands to every layer; the
-#: model config; the query shape; the key length; whether sdpa takes the call without a mask, i.e. no padding).
+#: whole: (weak reference to the forward's :func:`_forward_marker`; the model config; the method configuration dict
+#: it holds; the query shape; the key length; whether sdpa takes the call without a mask, i.e. no padding).
 _DENSE_FORWARD: list[tuple] = []
 
 
+def _forward_marker(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor that tells one forward's layers from another forward's: its 2D mask, or without a mask its
+    ``position_ids`` (transformers makes each once per forward and hands it to every layer); None for anything
+    else (a 4D mask, no ``position_ids``)."""
+    if attention_mask is not None:
+        return attention_mask if attention_mask.dim() == 2 else None
+    position_ids = kwargs.get("position_ids")
+    return position_ids if isinstance(position_ids, torch.Tensor) else None
+
+
 def _dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
-                   attention_mask: torch.Tensor | None) -> bool | None:
+                   attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool | None:
     """For a call of the forward in :data:`_DENSE_FORWARD`: whether sdpa takes it without a mask (True) or
     through :func:`~hf_sparse.dense.dense_attention` (False); None for any other call."""
     entry = _DENSE_FORWARD[0] if _DENSE_FORWARD else None
-    if (entry is None or attention_mask is None or entry[0]() is not attention_mask or entry[1] is not module.config
-            or entry[2] != query.shape or entry[3] != key_length):
+    if entry is None:
         return None
-    return entry[4]
+    marker = _forward_marker(attention_mask, kwargs)
+    if (marker is None or entry[0]() is not marker or entry[1] is not module.config
+            or entry[2] is not stored_config(module.config) or entry[3] != query.shape or entry[4] != key_length):
+        return None
+    return entry[5]
 
 
 def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -195,7 +208,7 @@ def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     layer's reason)."""
     if recording():
         return None
-    unmasked = _dense_forward(module, query, key.shape[2], attention_mask)
+    unmasked = _dense_forward(module, query, key.shape[2], attention_mask, kwargs)
     if unmasked is None or asks_more_than_sdpa(kwargs):
         return None
     if unmasked:
@@ -204,16 +217,20 @@ def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
 
 def remember_dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
-                           attention_mask: torch.Tensor | None) -> None:
-    """Keep a first layer's forward-wide dense decision for the forward's later layers (:func:`decided_dense`;
-    2D masks only: a forward without a mask has nothing that tells it from the next one). The caller has decided
-    from the shapes and the configuration alone that a plain sdpa call is every layer's attention."""
-    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+                           attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    """Keep a first layer's forward-wide dense decision for the forward's later layers (:func:`decided_dense`),
+    where the forward has a :func:`_forward_marker`. The caller has decided from the shapes and the configuration
+    alone that a plain sdpa call is every layer's attention."""
+    marker = _forward_marker(attention_mask, kwargs)
+    if marker is None or torch.compiler.is_compiling():
         _DENSE_FORWARD.clear()
         return
-    rows, left_padded = mask_layout(attention_mask, key_length, query.device)
-    unmasked = left_padded and rows.high == 0 and query.shape[2] == key_length
-    _DENSE_FORWARD[:] = [(weakref.ref(attention_mask), module.config, query.shape, key_length, unmasked)]
+    unmasked = True
+    if attention_mask is not None:
+        rows, left_padded = mask_layout(attention_mask, key_length, query.device)
+        unmasked = left_padded and rows.high == 0 and query.shape[2] == key_length
+    _DENSE_FORWARD[:] = [(weakref.ref(marker), module.config, stored_config(module.config), query.shape, key_length,
+                          unmasked)]
 
 
 def softcap_and_sinks(kwargs: dict[str, Any], query: torch.Tensor) -> dict[str, Any]:
@@ -312,7 +329,7 @@ def sparse_attention_forward(
         known = known_dense_prefill(config, method, module, num_queries, key_length, query, cache_layer, kwargs)
         if known is not None:
             if known in FORWARD_WIDE:
-                remember_dense_forward(module, query, key_length, attention_mask)
+                remember_dense_forward(module, query, key_length, attention_mask, kwargs)
             return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    **kwargs)
     if cache_layer is not None and cache_layer.row_layout is None and cache_layer.static:

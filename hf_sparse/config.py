@@ -546,6 +546,15 @@ def config_value(model_config: Any, name: str, default: Any = None) -> Any:
     return found if found is not None else getattr(model_config, name, default)
 
 
+def stored_config(model_config: Any) -> dict | None:
+    """The method configuration :func:`~hf_sparse.configure` stored in ``model_config`` (a new dict each time), None
+    where none is: the instance's own attribute, read past transformers' attribute lookup."""
+    try:
+        return object.__getattribute__(model_config, "__dict__").get(CONFIG_KEY)
+    except AttributeError:
+        return None
+
+
 def method_config(model_config: Any, method: str | None = "plas") -> Any:
     """The configuration of ``method`` stored in a model's config (its defaults when none, or another
     method's, is attached); ``method=None``: whichever method's is stored (PLAS's defaults when none is)."""

@@ -172,7 +172,7 @@ def star_attention_forward(
         if (run is None and short and logn_base is None and cache_layer is None
                 and not asks_more_than_sdpa(kwargs)):
             # A prompt shorter than dense_below: sdpa in every layer; the later layers skip the steps above.
-            remember_dense_forward(module, query, key_length, attention_mask)
+            remember_dense_forward(module, query, key_length, attention_mask, kwargs)
         return global_attention(query), None
     if dropout:
         raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")

@@ -12,6 +12,10 @@ import hf_sparse  # noqa: F401  (registers "plas")
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+#: Where the model tests run: the CPU always (the Triton path there in the interpreter), CUDA with ``-m gpu``.
+MODEL_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")])]
+
 ARCHS = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,

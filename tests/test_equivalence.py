@@ -551,6 +551,17 @@ def test_first_layer_decides_a_dense_forward(method, monkeypatch):
             decisions.clear(), dense_calls.clear()
             assert torch.equal(sparse(ids, attention_mask=mask).logits, dense(ids, attention_mask=mask).logits)
             assert len(decisions) == 1 and len(dense_calls) == first_dense + (3 if padded else 0)
+        # Without a mask the forward's position_ids tell the forwards apart: the model's own (new each forward),
+        # or the caller's, reused while the configuration stays (configure() stores a new one: decided again).
+        positions = torch.arange(ids.shape[1])[None]
+        for kwargs, expected in (({}, 1), ({}, 1), ({"position_ids": positions}, 1), ({"position_ids": positions}, 0)):
+            decisions.clear(), dense_calls.clear()
+            assert torch.equal(sparse(ids, **kwargs).logits, dense(ids).logits)
+            assert len(decisions) == expected and len(dense_calls) == first_dense * expected
+        hf_sparse.configure(sparse, hf_sparse.config.method_config(sparse.config, method))
+        decisions.clear()
+        sparse(ids, position_ids=positions)
+        assert len(decisions) == 1
         out = sparse(ids, attention_mask=masks[0], use_cache=True)
         decisions.clear()
         step = sparse(ids[:, -1:], attention_mask=torch.ones(2, 41, dtype=ids.dtype),
@@ -610,7 +621,7 @@ def test_density_floor_and_memory(method, monkeypatch):
         monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or
                             hf_sparse.dense.dense_attention(*a, **k))
         assert torch.equal(sparse(ids).logits, dense(ids).logits)  # unrecorded: known_dense_prefill's path
-        assert calls == [] and len(dense_calls) == 2
+        assert calls == [] and len(dense_calls) == 1  # the first layer decides the forward, the second runs sdpa
         monkeypatch.setattr(policy, "density_floor", lambda self, num_queries, key_length: 0.0)
         reads = []
         monkeypatch.setattr(attention, "selection_density", lambda *a: reads.append(1) or 0.1)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
 import hf_sparse
+from conftest import MODEL_DEVICES
 
 WINDOW = 12
 SOFTCAP = 5.0
@@ -43,31 +44,32 @@ def build(config, attn: str, sinks: bool = True):
     return model
 
 
-def backends():
-    """The PyTorch reference always; the Triton kernels in the interpreter (these models run on the CPU):
-    ``TRITON_INTERPRET=1 pytest tests/test_softcap_sinks.py -k triton``."""
-    return ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on CPU models needs TRITON_INTERPRET=1"))]
+def skip_unless_runs(backend: str, device: str) -> None:
+    """The PyTorch reference runs everywhere; the Triton kernels on CUDA, and on CPU models in the interpreter
+    (``TRITON_INTERPRET=1 pytest tests/test_softcap_sinks.py -k triton``)."""
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton path on CPU models needs TRITON_INTERPRET=1")
 
 
 def method_configs(method: str):
-    """(dense below 10K tokens, every block selected on the sparse path, few blocks)."""
+    """(dense below 10K tokens, every block selected on the sparse path, few blocks); no fallback to dense by
+    density (on CUDA)."""
     if method == "plas":
-        common = dict(block_size=16, dense_layers=(), query_union=16)
+        common = dict(block_size=16, dense_layers=(), query_union=16, dense_above_density=None)
         return (hf_sparse.PLASConfig(dense_below=10_000, **common),
                 hf_sparse.PLASConfig(prefill_top_k=(10_000, 10_000), decode_top_k=(10_000, 10_000), dense_below=0,
                                      **common),
                 hf_sparse.PLASConfig(prefill_top_k=(1, 1), decode_top_k=(1, 1), dense_below=0, **common))
-    common = dict(block_size=16, stride=4, dense_layers=())
+    common = dict(block_size=16, stride=4, dense_layers=(), dense_above_density=None)
     return (hf_sparse.XAttnConfig(dense_below=10_000, **common),
             hf_sparse.XAttnConfig(threshold=1.0, dense_below=0, **common),
             hf_sparse.XAttnConfig(dense_last=0, threshold=0.3, decode_threshold=0.3, dense_below=0, **common))
 
 
-def padded_batch(length: int = 50):
+def padded_batch(length: int = 50, device: str = "cpu"):
     """Two prompts, the second left-padded by 7 tokens."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 128, (2, length), generator=gen)
+    ids = torch.randint(1, 128, (2, length), generator=gen).to(device)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     return ids, mask
@@ -84,19 +86,21 @@ def test_the_features_matter_in_these_models(arch):
     assert (logits[0] - without[0]).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("method", ["plas", "xattn"])
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
-def test_logits_and_generate_equal_eager(arch, method, backend, monkeypatch):
+@pytest.mark.parametrize("device", MODEL_DEVICES)
+def test_logits_and_generate_equal_eager(arch, method, backend, device, monkeypatch):
     """Below dense_below (eager's math on the dense path: bit-equal) and at full density on the sparse path: the
     logits of eager attention (fp32, 2e-4), also for a left-padded batch, whose rows equal single runs; generate()
     gives eager's greedy tokens and decode logits; with few blocks, finite logits and tokens. The window layer is
-    dense inside its window, the full layer sparse."""
+    dense inside its window, the full layer sparse. On the CPU and (``-m gpu``) on CUDA."""
+    skip_unless_runs(backend, device)
     monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
     config = model_config(arch)
-    eager, sparse = build(config, "eager"), build(config, method)
+    eager, sparse = build(config, "eager").to(device), build(config, method).to(device)
     below, full, few = method_configs(method)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(device=device)
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         expected = eager(ids, attention_mask=mask).logits
@@ -121,7 +125,7 @@ def test_logits_and_generate_equal_eager(arch, method, backend, monkeypatch):
             for step, want in zip(generation.logits, expected_generation.logits, strict=True):
                 torch.testing.assert_close(step, want, atol=2e-4, rtol=2e-4)
         hf_sparse.configure(sparse, few)
-        ids, mask = padded_batch(130)
+        ids, mask = padded_batch(130, device)
         with hf_sparse.record_sparsity() as rec:
             assert torch.isfinite(sparse(ids, attention_mask=mask).logits).all()
             tokens = sparse.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)

@@ -2,9 +2,11 @@
 sdpa path), the full-attention layers of the same model run the sparse method."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import build, full_density
+from conftest import MODEL_DEVICES, build, full_density
 from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
 
 import hf_sparse
@@ -25,28 +27,31 @@ def window_config(arch: str):
 
 
 def method_configs(method: str):
-    """(every block selected, few blocks) for the full-attention layers."""
+    """(every block selected, few blocks) for the full-attention layers; no fallback to dense by density (CUDA)."""
     if method == "plas":
-        return full_density(block_size=16), hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1),
+        return dataclasses.replace(full_density(block_size=16), dense_above_density=None), hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1),
                                                                  decode_top_k=(1, 1), dense_below=0, dense_layers=(),
                                                                  query_union=16)
-    return (hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=()),
+    return (hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=(),
+                                  dense_above_density=None),
             hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
                                   dense_layers=()))
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
 @pytest.mark.parametrize("method", ["plas", "xattn"])
-def test_window_layers_equal_sdpa(arch, method):
+@pytest.mark.parametrize("device", MODEL_DEVICES)
+def test_window_layers_equal_sdpa(arch, method, device):
     """Full density: the logits and greedy tokens of sdpa (fp32, 2e-4), also for a left-padded batch; the window
-    layers are recorded as dense for their window, the full layers as sparse; few blocks: finite logits."""
+    layers are recorded as dense for their window, the full layers as sparse; few blocks: finite logits. On the
+    CPU and (``-m gpu``) on CUDA, where the full layers run the Triton kernels."""
     config = window_config(arch)
     assert graphs.window_layers(config)
-    dense, sparse = build(config, "sdpa"), build(config, method)
+    dense, sparse = build(config, "sdpa").to(device), build(config, method).to(device)
     full, few = method_configs(method)
     hf_sparse.configure(sparse, full)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 128, (2, 50), generator=gen)
+    ids = torch.randint(1, 128, (2, 50), generator=gen).to(device)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
