@@ -481,10 +481,21 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         monkeypatch.setattr(attention, "PROBE_QUERIES", 64)
         calls.clear()
         assert torch.equal(sparse(ids).logits, probed) and calls == [length, length]
+        # forgotten: the first layer probes again (stopped at its first selection: the kernels ran above)
         hf_sparse.density.forget_decisions(sparse)
         calls.clear()
-        sparse(ids)
-        assert calls == ([8] * 8 + [length]) * 2
+
+        class Probed(Exception):
+            pass
+
+        def select_and_stop(self, query, *args, **kwargs):
+            calls.append(query.shape[2])
+            raise Probed
+
+        monkeypatch.setattr(policy, "select_prefill", select_and_stop)
+        with pytest.raises(Probed):
+            sparse(ids)
+        assert calls == [8]
 
 
 @pytest.mark.parametrize("method", ["plas", "xattn"])

@@ -436,10 +436,11 @@ def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
 
 
 def padded_prompt(seed_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows of 70 random ids, the second left-padded by 5 (ids, mask)."""
+    """Two rows of 70 random ids, the second left-padded by 10 (ids, mask): blocks count from a row's first
+    valid slot, so 16-token blocks end at position 79 of the first row and 73 of the second."""
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(seed_value)).to(DEVICE)
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, :10] = 0
     return ids, mask
 
 
@@ -481,7 +482,7 @@ def test_static_cache_decode_equals_dynamic(monkeypatch, method, kv_dtype, logn)
     hf_sparse.configure(model, config)
     ids, mask = padded_prompt(5)
     calls = counted(monkeypatch, kernels, "recent_block_summaries")
-    steps = 16  # positions 70..85 (the padded row: 65..80 of its own): both rows cross a block boundary
+    steps = 11  # positions 70..80 (the padded row: 60..70 of its own): both rows cross a block boundary
     dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
     static_cache = SparseCache(model.config, max_cache_len=95, kv_dtype=kv_dtype)
     static = decode_logits(model, static_cache, ids, mask, steps)
@@ -506,7 +507,7 @@ def test_star_static_decode_equals_dynamic(monkeypatch, kv_dtype, logn):
                                                     logn_scaling=logn, logn_base=32 if logn else None))
     ids, mask = padded_prompt(6)
     calls = counted(monkeypatch, star_attention, "all_blocks_decode")
-    steps = 12  # both rows cross a 16-token block boundary
+    steps = 11  # positions 70..80 (60..70 of the padded row's own): both rows cross a 16-token block boundary
     dynamic = decode_logits(model, SparseCache(model.config, kv_dtype=kv_dtype), ids, mask, steps)
     assert not calls
     static = decode_logits(model, SparseCache(model.config, max_cache_len=90, kv_dtype=kv_dtype), ids, mask, steps)
