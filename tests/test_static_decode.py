@@ -436,8 +436,8 @@ def test_a_reset_static_cache_summarizes_the_new_sequence_before_a_replay():
 
 
 def padded_prompt(seed_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows of 70 random ids, the second left-padded by 10 (ids, mask): blocks count from a row's first
-    valid slot, so 16-token blocks end at position 79 of the first row and 73 of the second."""
+    """Two rows of 70 random ids, the second left-padded by 10 (ids, mask). Blocks count from a row's first valid
+    slot: a 16-token block ends at slot 79 of the first row and at slot 73 (its own position 63) of the second."""
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(seed_value)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :10] = 0

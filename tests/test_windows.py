@@ -29,9 +29,9 @@ def window_config(arch: str):
 def method_configs(method: str):
     """(every block selected, few blocks) for the full-attention layers; no fallback to dense by density (CUDA)."""
     if method == "plas":
-        return dataclasses.replace(full_density(block_size=16), dense_above_density=None), hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1),
-                                                                 decode_top_k=(1, 1), dense_below=0, dense_layers=(),
-                                                                 query_union=16)
+        full = dataclasses.replace(full_density(block_size=16), dense_above_density=None)
+        return full, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(1, 1), decode_top_k=(1, 1), dense_below=0,
+                                          dense_layers=(), query_union=16)
     return (hf_sparse.XAttnConfig(block_size=16, stride=4, threshold=1.0, dense_below=0, dense_layers=(),
                                   dense_above_density=None),
             hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.3, decode_threshold=0.3, dense_below=0,
