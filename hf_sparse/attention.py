@@ -23,7 +23,7 @@ from . import density
 from .density import PROBE_QUERIES, block_counts, falls_back_by_density, selection_density
 from .gates import get_gate_weight
 from .methods import METHODS
-from .padding import mask_layout, padding_layout
+from .padding import holds_no_padding, padding_layout
 from .recording import LayerRecord, record, recording
 from .selection import BlockSelection, RowLayout
 
@@ -225,10 +225,8 @@ def remember_dense_forward(module: torch.nn.Module, query: torch.Tensor, key_len
     if marker is None or torch.compiler.is_compiling():
         _DENSE_FORWARD.clear()
         return
-    unmasked = True
-    if attention_mask is not None:
-        rows, left_padded = mask_layout(attention_mask, key_length, query.device)
-        unmasked = left_padded and rows.high == 0 and query.shape[2] == key_length
+    unmasked = attention_mask is None or (query.shape[2] == key_length
+                                          and holds_no_padding(attention_mask, key_length, query.device))
     _DENSE_FORWARD[:] = [(weakref.ref(marker), module.config, stored_config(module.config), query.shape, key_length,
                           unmasked)]
 

@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from . import kernels
-from .padding import mask_layout, padding_layout
+from .padding import holds_no_padding, padding_layout
 
 
 #: Keyword arguments dense_attention computes itself rather than pass to sdpa: softcap, sinks, sliding window.
@@ -34,8 +34,7 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
             and not torch.compiler.is_compiling()):
         if attention_mask is not None and attention_mask.dim() == 2:
             # A mask without padding: the memoised layout says so without a host read per layer.
-            rows, left_padded = mask_layout(attention_mask, key_length, query.device)
-            if left_padded and rows.high == 0:
+            if holds_no_padding(attention_mask, key_length, query.device):
                 attention_mask = None
         if attention_mask is None:
             # sdpa_mask would return None here (sdpa's is_causal); called straight (a short prefill is bound by

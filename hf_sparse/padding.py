@@ -25,6 +25,12 @@ def mask_layout(attention_mask: torch.Tensor, key_length: int, device: torch.dev
     return entry[2], entry[3]
 
 
+def holds_no_padding(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> bool:
+    """Whether a 2D mask masks no slot of the last ``key_length`` (from :func:`mask_layout`'s memo)."""
+    rows, left_padded = mask_layout(attention_mask, key_length, device)
+    return left_padded and rows.high == 0
+
+
 def read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[RowLayout, bool]:
     """:func:`mask_layout` without the memo: one host read."""
     mask = attention_mask[:, -key_length:].bool()
