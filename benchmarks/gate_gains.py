@@ -54,10 +54,10 @@ def oracle_select_prefill(method, query, summaries, key, *, scale, q_offset, kv_
     block_ids = torch.arange(num_blocks, device=query.device)
     for q0 in range(0, num_queries, 512):
         q1 = min(num_queries, q0 + 512)
-        mass = torch.softmax(reference.pooled_block_logits(query[:, :, q0:q1], key, block, scale, q_offset + q0,
-                                                           "sum"), -1)
+        log_mass = reference.pooled_block_logits(query[:, :, q0:q1], key, block, scale, q_offset + q0, "sum")
         available = reference.block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block, key_length)
-        chosen = reference.threshold_topk(mass, available[:, None], config.prefill_top_k, config.search_steps)
+        log_mass = log_mass.masked_fill(~available[:, None], float("-inf"))
+        chosen = reference.threshold_topk(log_mass, available[:, None], config.prefill_top_k, config.search_steps)
         own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
         forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
         chosen |= (forced[None] & available)[:, None]

@@ -111,8 +111,9 @@ def plas_tile_budget(query, summaries, scale, top_k, available, forced, block_si
     num_blocks = summaries.shape[2]
     query_avail = reference.block_availability(num_queries, num_blocks, 0, torch.zeros(1, dtype=torch.long),
                                                block_size, num_queries)
-    probs = reference.block_scores(query, summaries, scale, query_avail)[0]  # [Hq, Nq, nb]
-    chosen = reference.threshold_topk(probs, query_avail, top_k, 16)
+    logits = reference.block_logits(query, summaries, scale, query_avail)[0]  # [Hq, Nq, nb]
+    probs = torch.softmax(logits, -1).nan_to_num_(0.0)
+    chosen = reference.threshold_topk(logits, query_avail, top_k, 16)
     tiles = torch.arange(num_queries) // block_size
     num_tiles = available.shape[0]
     pooled = torch.zeros(q_heads, num_tiles, num_blocks).index_add_(1, tiles, probs)

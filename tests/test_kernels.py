@@ -282,7 +282,7 @@ def test_sparse_decode(size, shape, num_queries, rows, splits):
 
 # -- select_blocks ---------------------------------------------------------------------------------------------
 def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k, dtype, gen, two_level,
-                      alibi=None):
+                      alibi=None, deep=False):
     """Queries and summaries whose block scores are far from every bisection point the search visits.
 
     Each query is a one-hot vector on a random channel; channel ``c`` of the summaries holds a logit profile
@@ -298,10 +298,16 @@ def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, to
     ``top_k[1]`` blocks only, which precede the own block of every query that searches, and the own block
     stays low. All queries of a (batch, KV head) row read one profile (each head its share's copy), so that
     the tile and head unions do not hide a missing bias.
+
+    With ``deep`` the top block (0) stands alone above ``-11.1`` (16 halvings of f): the rest of the high set
+    lies in [-21, -20] and the low values in [-45, -40], so the first bisection never sees too many blocks and
+    the second (between the row's lowest logit and -11.1) lands at its first cut, in [-28.1, -25.5].
     """
     left, right = top_k
     scale = dim ** -0.5
     logits = -2.0 - 3.0 * torch.rand(batch, kv_heads, num_blocks, dim, generator=gen)  # e <= 0.135
+    if deep:
+        logits = -40.0 - 5.0 * torch.rand(batch, kv_heads, num_blocks, dim, generator=gen)
     profiled = right if alibi is not None else right + 1
     for b in range(batch):
         for h in range(kv_heads):
@@ -315,7 +321,8 @@ def separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, to
                     logits[b, h, order[top], c] = 0.0  # the maximum is in the high set
                 else:
                     high = int(torch.randint(left, right + 1, (1,), generator=gen))
-                    logits[b, h, order[:high], c] = -0.3 * torch.rand(high, generator=gen)
+                    spread = -0.3 * torch.rand(high, generator=gen)
+                    logits[b, h, order[:high], c] = spread - 20.0 if deep else spread
                     logits[b, h, order[0], c] = 0.0
     if alibi is None:
         channel = torch.randint(0, dim, (batch, q_heads, num_queries), generator=gen)
@@ -394,6 +401,39 @@ def test_select_blocks_exact_on_separated_scores(size, alibi, phase, batch, q_he
         biased = ref.select_blocks(query, summaries, **single).to_mask(num_blocks)
         unbiased = ref.select_blocks(query, summaries, **{**single, "alibi_slopes": None}).to_mask(num_blocks)
         assert not torch.equal(unbiased, biased)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
+    ("prefill", 2, 4, 2, 64, "bf16"),
+    ("prefill_union", 1, 8, 1, 128, "fp32"),
+    ("decode_1q", 3, 8, 2, 64, "fp16"),
+])
+def test_select_blocks_exact_when_the_top_k_sits_deep(size, phase, batch, q_heads, kv_heads, dim, dtype):
+    """Rows whose ``top_k[0]``-th block lies 20 nats under their best (a sharp head) land in ``top_k`` through
+    the second bisection, as in the reference, instead of selecting every block."""
+    gen = torch.Generator().manual_seed(seed("deep", phase, batch, q_heads, dim))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    if size == "small":
+        block = 4  # 21 blocks, most of them past the profile
+    top_k = (3, 5) if size == "small" else (8, 12)
+    num_queries = length if phase.startswith("prefill") else int(phase[-2])
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    query, summaries, scale = separated_problem(batch, q_heads, kv_heads, num_queries, dim, num_blocks, top_k,
+                                                DTYPES[dtype], gen, False, deep=True)
+    kwargs = dict(scale=scale, q_offset=length - num_queries, kv_start=kv_start, block_size=block, top_k=top_k,
+                  query_tile=tile if phase.startswith("prefill") else num_queries, head_union=phase != "prefill",
+                  sink_blocks=1, key_length=length)
+    expected = ref.select_blocks(query, summaries, **kwargs)
+    selection = run_select(query, summaries, **kwargs)
+    assert torch.equal(selection.counts, expected.counts)
+    assert torch.equal(selection.indices, expected.indices)
+    # single queries that search choose top_k blocks (+ forced ones), far from all they could see
+    single = ref.select_blocks(query, summaries, **{**kwargs, "query_tile": 1, "head_union": False})
+    searched = single.counts[..., -1]
+    assert (searched <= top_k[1] + 2).all() and num_blocks > 2 * (top_k[1] + 2)
 
 
 @pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])

@@ -38,20 +38,41 @@ def test_full_selection_equals_dense(batch, q_heads, kv_heads, length, block):
 
 def test_threshold_topk_lands_in_range():
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(5, 7, 200) * 3, -1)
-    available = torch.ones_like(probs, dtype=torch.bool)
-    chosen = ref.threshold_topk(probs, available, (10, 14), search_steps=30)
+    logits = torch.randn(5, 7, 200) * 3
+    available = torch.ones_like(logits, dtype=torch.bool)
+    chosen = ref.threshold_topk(logits, available, (10, 14), search_steps=30)
     counts = chosen.sum(-1)
     assert counts.min() >= 10 and counts.max() <= 14
-    # the selected set is a top set: every chosen probability beats every unchosen one
-    assert (probs.masked_fill(~chosen, 2).amin(-1) >= probs.masked_fill(chosen, -1).amax(-1)).all()
+    # the selected set is a top set: every chosen score beats every unchosen one
+    assert (logits.masked_fill(~chosen, 1e9).amin(-1) >= logits.masked_fill(chosen, -1e9).amax(-1)).all()
+
+
+def test_threshold_topk_reaches_blocks_far_below_the_best():
+    """A row whose 10th block sits 20-60 nats under its best (a sharp head: probabilities under 2^-16 of the
+    top one, where halving f from 1 never gets to) still selects 10-14 blocks, not every block."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 300) - 60.0
+    logits[:, 0] = 0.0
+    logits[:3, 1:12] = -20.0 - torch.rand(3, 11)  # ranks 2-12 near -20, the rest near -60
+    available = torch.ones_like(logits, dtype=torch.bool)
+    available[4, 150:] = False
+    chosen = ref.threshold_topk(logits, available, (10, 14), search_steps=16)
+    counts = chosen.sum(-1)
+    assert counts.min() >= 10 and counts.max() <= 14
+    assert not (chosen & ~available).any()
+    assert (logits.masked_fill(~chosen, 1e9).amin(-1) >= logits.masked_fill(chosen | ~available, -1e9).amax(-1)).all()
+    # and rows whose top blocks are close land as before: the first bisection alone decides them
+    near = torch.randn(4, 300)
+    one_phase = ref.threshold_topk(near, torch.ones_like(near, dtype=torch.bool), (10, 14), search_steps=16)
+    assert (one_phase.sum(-1) >= 10).all() and (one_phase.sum(-1) <= 14).all()
 
 
 def test_threshold_topk_selects_all_when_few_available():
-    probs = torch.softmax(torch.randn(2, 9), -1)
+    logits = torch.randn(2, 9)
     available = torch.zeros(2, 9, dtype=torch.bool)
     available[:, :5] = True
-    assert torch.equal(ref.threshold_topk(probs, available, (6, 8), 16), available)
+    assert torch.equal(ref.threshold_topk(logits.masked_fill(~available, float("-inf")), available, (6, 8), 16),
+                       available)
 
 
 def test_selection_forces_diagonal_and_sink_and_respects_causality():

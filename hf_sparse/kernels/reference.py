@@ -132,7 +132,7 @@ def block_availability(
     return (block_first[:, None, :] <= q_slot[None, :, None]) & (block_first[:, None, :] < key_length)
 
 
-def block_scores(
+def block_logits(
     query: torch.Tensor,
     summaries: torch.Tensor,
     scale: float,
@@ -140,9 +140,9 @@ def block_scores(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``softmax_j(q . Kc_j * scale + bias)`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0
-    elsewhere); ``bias`` (e.g. ALiBi) broadcasts to that shape. ``softcap`` caps the scaled logits
-    (:func:`soft_cap`) before the bias, as the attention caps its scores."""
+    """``q . Kc_j * scale + bias`` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (``-inf`` elsewhere);
+    ``bias`` (e.g. ALiBi) broadcasts to that shape. ``softcap`` caps the scaled logits (:func:`soft_cap`) before
+    the bias, as the attention caps its scores."""
     batch, q_heads, num_queries, dim = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
     # The query heads of a KV group as rows of one product with the group's summaries (no copy of them per head).
@@ -153,38 +153,66 @@ def block_scores(
         logits = soft_cap(logits, softcap)
     if bias is not None:
         logits = logits + bias
-    logits = logits.masked_fill(~available[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(~available[:, None], float("-inf"))
+
+
+def block_scores(
+    query: torch.Tensor,
+    summaries: torch.Tensor,
+    scale: float,
+    available: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``softmax_j`` of :func:`block_logits` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0 elsewhere)."""
+    probs = torch.softmax(block_logits(query, summaries, scale, available, bias, softcap), dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
 
 
 def threshold_topk(
-    probs: torch.Tensor, available: torch.Tensor, top_k: tuple[int, int], search_steps: int
+    logits: torch.Tensor, available: torch.Tensor, top_k: tuple[int, int], search_steps: int
 ) -> torch.Tensor:
-    """Approximate top-k per row by binary search on a probability threshold.
+    """Approximate top-k per row: the blocks whose score reaches a cut found by bisection.
 
-    Rows with at most ``top_k[1]`` available blocks select all of them. Otherwise the threshold ``t``
-    starts in ``[0, max]`` and halves ``search_steps`` times, stopping per row once
-    ``count(p >= t)`` lands in ``[top_k[0], top_k[1]]``; a row that never lands keeps the last lower bound
-    (more blocks rather than fewer). Returns the boolean selection, same shape as ``probs``.
+    ``logits`` are any scores whose softmax is the block distribution (e.g. :func:`block_logits`), finite
+    where ``available`` (the rest is ignored). Rows with at most ``top_k[1]`` available blocks select all of
+    them. The others run a bisection on ``f`` in ``[0, 1]``, the cut's probability relative to the row's top block (cut = max + log f),
+    for ``search_steps`` steps, stopping per row once ``count(logit >= cut)`` lands in ``[top_k[0], top_k[1]]``.
+    Halving f from 1 reaches no deeper than ``search_steps * log 2`` under the row's best: a row with fewer
+    than ``top_k[0]`` blocks above that (a sharp head, where the search would find nothing) bisects the cut
+    itself instead, between its lowest available logit and that depth, in the same number of steps.
+
+    A row that never lands keeps its last cut with too many blocks (more blocks rather than fewer).
+    Returns the boolean selection, same shape as ``logits``.
     """
     left, right = top_k
     n_available = available.sum(-1, keepdim=True)
-    low = torch.zeros_like(probs[..., :1])
-    high = probs.amax(-1, keepdim=True)
-    threshold = torch.zeros_like(low)
-    found = torch.zeros_like(low, dtype=torch.bool)
+    logits = logits.masked_fill(~available, float("-inf"))
+    row_max = logits.amax(-1, keepdim=True)
+    found = (n_available <= right).expand_as(row_max).clone()
+    # The deepest cut halving f reaches; a row with fewer than `left` blocks above it bisects the cut instead.
+    deepest = row_max + torch.log(torch.full_like(row_max, 0.5 ** search_steps))
+    deep = ~found & ((logits >= deepest).sum(-1, keepdim=True) < left)
+    low = torch.zeros_like(row_max)  # f in [low, high]
+    high = torch.ones_like(row_max)
+    cut_low = logits.masked_fill(~available, float("inf")).amin(-1, keepdim=True)  # the cut in [cut_low, cut_high]
+    cut_high = deepest
+    cut = torch.full_like(row_max, float("-inf"))
     for _ in range(search_steps):
         mid = (low + high) * 0.5
-        count = (probs >= mid).sum(-1, keepdim=True)
+        mid_cut = torch.where(deep, (cut_low + cut_high) * 0.5, row_max + torch.log(mid))
+        count = (logits >= mid_cut).sum(-1, keepdim=True)
         landed = (count >= left) & (count <= right) & ~found
-        threshold = torch.where(landed, mid, threshold)
+        cut = torch.where(landed, mid_cut, cut)
         found |= landed
-        too_many = count > right
-        low = torch.where(too_many & ~found, mid, low)
-        high = torch.where(~too_many & ~found, mid, high)
-    threshold = torch.where(found, threshold, low)
-    selected = (probs >= threshold) & available
+        too_many, few = (count > right) & ~found, (count <= right) & ~found
+        low = torch.where(too_many & ~deep, mid, low)
+        high = torch.where(few & ~deep, mid, high)
+        cut_low = torch.where(too_many & deep, mid_cut, cut_low)
+        cut_high = torch.where(few & deep, mid_cut, cut_high)
+    # A row that never landed: its last cut with too many blocks.
+    cut = torch.where(found, cut, torch.where(deep, cut_low, row_max + torch.log(low.clamp_min(1e-30))))
+    selected = (logits >= cut) & available
     return torch.where(n_available <= right, available, selected)
 
 
@@ -229,8 +257,8 @@ def select_blocks(
             centre = kv_start[:, None] + block_ids[None, :] * block_size + (block_size - 1) / 2  # [B, nb]
             distance = torch.minimum(centre[:, None, :], q_slot[None, :, None].float()) - q_slot[None, :, None]
             bias = alibi_slopes.float().to(query.device)[None, :, None, None] * distance[:, None]  # [B, Hq, q, nb]
-        probs = block_scores(query[:, :, q0:q1], summaries, scale, available, bias)
-        chosen = threshold_topk(probs, available[:, None], top_k, search_steps)
+        logits = block_logits(query[:, :, q0:q1], summaries, scale, available, bias)
+        chosen = threshold_topk(logits, available[:, None], top_k, search_steps)
         own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
         forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]
         chosen |= (forced & available)[:, None]

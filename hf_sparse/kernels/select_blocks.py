@@ -10,9 +10,9 @@ written. The mask is compacted in the same program (prefix sum) into the ascendi
 come from programs spread over the blocks (one program per row would read the whole summary row through a
 single SM) into a buffer of rows x blocks, and the last program of each row selects, in the same launch.
 
-The threshold search is the reference's bisection, done on logits: ``p_j >= f * max(p)`` is
-``l_j >= max(l) + log(f)``, so neither the softmax normaliser nor an exp per block is needed. Results equal
-the reference's except where a probability sits within float rounding of a bisection point.
+The threshold search is the reference's, on logits as there: ``p_j >= f * max(p)`` is ``l_j >= max(l) +
+log(f)``, so neither the softmax normaliser nor an exp per block is needed. Results equal the reference's
+except where a logit sits within float rounding of a cut the search tries.
 
 Tiles are launched in bands by how many blocks their queries can see (causality), each band with the
 smallest power-of-two block width ``NB_PAD``: early tiles of a long prefill do not pay for the whole row.
@@ -73,47 +73,64 @@ def _block_logits(q_rows, s_cols, stride_qd, stride_sd, real, readable, row_last
 
 
 @triton.jit
+def _count(logits, cut, FLOAT_COUNTS: tl.constexpr):
+    """Per row, how many logits reach its cut (float sums with FLOAT_COUNTS: see :func:`_choose`)."""
+    if FLOAT_COUNTS:
+        count = tl.sum(tl.where(logits >= cut[:, None], 1.0, 0.0), 1)
+    else:
+        count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
+    return count
+
+
+@triton.jit
 def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS: tl.constexpr,
             FLOAT_COUNTS: tl.constexpr):
     """Blocks each row chooses ``[BLOCK_Q, NB_PAD]``: the threshold top-k of its masked logits, plus its own
     block and the sink blocks, within its causal range.
 
-    The reference's bisection on f in [0, 1] (its threshold divided by the row's top probability), done on
-    logits. Rows with at most ``top_right`` available blocks take them all and do not search. Stops once
-    every row has landed: later steps would not change a landed row. With FLOAT_COUNTS the counts are float
-    sums, exact at any block count: faster for the many rows of a prefill (1.15x at 128K on the H100), slower for
-    decode's few (docs/kernels.md).
+    The reference's search (:func:`hf_sparse.kernels.reference.threshold_topk`): bisection on f in [0, 1] (the
+    cut's probability relative to the row's top block) or, for a row with fewer than ``top_left`` blocks above
+    the deepest cut that halving f reaches, on the cut itself. Rows with at most ``top_right``
+    available blocks take them all and do not search. The loop stops once every row has landed: later steps
+    would not change a landed row. With FLOAT_COUNTS the counts are float sums, exact at any block count:
+    faster for the many rows of a prefill (1.15x at 128K on the H100), slower for decode's few (docs/kernels.md).
     """
     n_available = row_last + 1
+    visible = blocks[None, :] <= row_last[:, None]
     row_max = tl.max(logits, 1)
     searching = (n_available > top_right).to(tl.int32)
     found = 1 - searching
-    low = tl.zeros_like(row_max)
+    # The deepest cut halving f reaches; a row with fewer than top_left blocks above it bisects the cut instead.
+    deepest = row_max + tl.log(tl.exp2(-(tl.zeros_like(row_max) + search_steps)))
+    deep = (searching > 0) & (_count(logits, deepest, FLOAT_COUNTS) < top_left)
+    low = tl.zeros_like(row_max)  # f in [low, high]
     high = tl.full(row_max.shape, 1.0, tl.float32)
-    threshold = tl.zeros_like(row_max)
+    cut_low = tl.min(tl.where(visible, logits, float("inf")), 1)  # the cut in [cut_low, cut_high]
+    cut_low = tl.where(deep, cut_low, 0.0)  # finite for rows that do not use it
+    cut_high = tl.where(deep, deepest, 0.0)
+    cut = tl.full(row_max.shape, float("-inf"), tl.float32)
     step = 0
     open_rows = tl.sum(1 - found, 0)
     while (step < search_steps) & (open_rows > 0):
         mid = (low + high) * 0.5
-        cut = row_max + tl.log(mid)
-        if FLOAT_COUNTS:
-            count = tl.sum(tl.where(logits >= cut[:, None], 1.0, 0.0), 1)
-        else:
-            count = tl.sum((logits >= cut[:, None]).to(tl.int32), 1)
+        mid_cut = tl.where(deep, (cut_low + cut_high) * 0.5, row_max + tl.log(mid))
+        count = _count(logits, mid_cut, FLOAT_COUNTS)
         landed = (count >= top_left) & (count <= top_right) & (found == 0)
-        threshold = tl.where(landed, mid, threshold)
+        cut = tl.where(landed, mid_cut, cut)
         found = tl.where(landed, 1, found)
-        too_many = count > top_right
-        low = tl.where(too_many & (found == 0), mid, low)
-        high = tl.where((count <= top_right) & (found == 0), mid, high)
+        too_many = (count > top_right) & (found == 0)
+        few = (count <= top_right) & (found == 0)
+        low = tl.where(too_many & ~deep, mid, low)
+        high = tl.where(few & ~deep, mid, high)
+        cut_low = tl.where(too_many & deep, mid_cut, cut_low)
+        cut_high = tl.where(few & deep, mid_cut, cut_high)
         step += 1
         open_rows = tl.sum(1 - found, 0)
-    threshold = tl.where(found > 0, threshold, low)
-    # Threshold 0 (never landed, never too many) and rows that do not search: every available block.
-    cut = tl.where((threshold > 0.0) & (searching > 0), row_max + tl.log(tl.maximum(threshold, 1e-30)),
-                   float("-inf"))
+    # A row that never landed: its last cut with too many blocks; rows that do not search: every available block.
+    cut = tl.where(found > 0, cut, tl.where(deep, cut_low, row_max + tl.log(tl.maximum(low, 1e-30))))
+    cut = tl.where(searching > 0, cut, float("-inf"))
     forced = (blocks[None, :] == own_block[:, None]) | (blocks[None, :] < SINK_BLOCKS)
-    return ((logits >= cut[:, None]) | forced) & (blocks[None, :] <= row_last[:, None])
+    return ((logits >= cut[:, None]) | forced) & visible
 
 
 @triton.jit
