@@ -41,6 +41,10 @@ TARGET_CHUNK_BYTES = 256 * 1024 * 1024
 #: File (in the output folder) holding the resumable training state.
 CHECKPOINT_FILENAME = "gate_training_checkpoint.safetensors"
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+#: What :func:`gate_distillation_loss` minimises (see :class:`GateTrainingConfig`).
+OBJECTIVES = ("kl", "ranking")
+#: Stands for "not choosable" in the ranking objective's logits: finite, so no gradient turns NaN.
+_EXCLUDED_LOGIT = -1e4
 
 
 @dataclass
@@ -64,6 +68,10 @@ class GateTrainingConfig:
         target: how the dense attention probabilities are pooled over a key block for the target: ``"max"`` (the
             block's strongest key; FastDeploy's PLAS) or ``"sum"`` (the block's attention mass: what a selection
             recalls).
+        objective: ``"kl"``: ``KL(target || prediction)`` over the blocks; ``"ranking"``: the Plackett-Luce negative
+            log-likelihood of the target's ``ranking_top_k`` best blocks in their order (each in turn must outscore
+            every block not yet placed), which spends the gate on the order at the top, where selection cuts.
+        ranking_top_k: how many of the target's best blocks ``objective="ranking"`` places.
         skip_forced_blocks: leave the blocks PLAS always attends (the model's ``sink_blocks`` first blocks and each
             query's own block) out of target and prediction, so the gate learns to rank the blocks selection
             actually chooses among; ``False`` distils over every causal block (see docs/gates.md for both).
@@ -81,12 +89,14 @@ class GateTrainingConfig:
     layers: tuple[int, ...] | None = None
     query_chunk: int = 1024
     target: str = "max"
+    objective: str = "kl"
+    ranking_top_k: int = 8
     skip_forced_blocks: bool = True
     checkpoint_every: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_length", "batch_size", "query_chunk"):
+        for name in ("seq_length", "batch_size", "query_chunk", "ranking_top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -99,6 +109,8 @@ class GateTrainingConfig:
             raise ValueError("warmup_steps and checkpoint_every must be >= 0")
         if self.target not in ("max", "sum"):
             raise ValueError(f"target must be 'max' or 'sum', got {self.target!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.layers is not None:
             self.layers = tuple(sorted({int(i) for i in self.layers}))
 
@@ -207,11 +219,29 @@ def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale:
     return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
-def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
-    """``log_softmax_j(q . Kc_j * scale)`` over the available blocks (``-inf`` elsewhere)."""
+def _prediction_logits(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float,
+                       excluded: float) -> torch.Tensor:
+    """``q . Kc_j * scale`` over the available blocks (``excluded`` elsewhere)."""
     group = query.shape[1] // summaries.shape[1]
     logits = torch.matmul(query.float(), summaries.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-    return torch.log_softmax(logits.masked_fill(~available[:, None], float("-inf")), dim=-1)
+    return logits.masked_fill(~available[:, None], excluded)
+
+
+def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
+    """``log_softmax_j(q . Kc_j * scale)`` over the available blocks (``-inf`` elsewhere)."""
+    return torch.log_softmax(_prediction_logits(query, summaries, available, scale, float("-inf")), dim=-1)
+
+
+def _ranking_terms(target: torch.Tensor, logits: torch.Tensor, choosable: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per query ``[B, Hq, c]``: ``sum_r (logsumexp of the logits of the blocks not yet placed - logit of the
+    target's r-th best)`` over the target's first ``min(top_k, choosable)`` blocks (Plackett-Luce)."""
+    k = min(top_k, target.shape[-1])
+    order = target.topk(k, dim=-1).indices  # the target's best blocks, best first
+    placed = logits.gather(-1, order)
+    rest = torch.logsumexp(logits.scatter(-1, order, _EXCLUDED_LOGIT), dim=-1, keepdim=True)
+    remaining = torch.cat([placed, rest], -1).flip(-1).logcumsumexp(-1).flip(-1)[..., :k]
+    valid = torch.arange(k, device=target.device) < choosable.sum(-1)[:, None, :, None]
+    return ((remaining - placed) * valid).sum(-1)
 
 
 def choosable_blocks(num_queries: int, num_blocks: int, q0: int, block_size: int, length: int, batch: int,
@@ -230,9 +260,11 @@ def choosable_blocks(num_queries: int, num_blocks: int, q0: int, block_size: int
 
 def gate_distillation_loss(
     query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
-    query_chunk: int = 1024, sink_blocks: int | None = 1, pool: str = "max",
+    query_chunk: int = 1024, sink_blocks: int | None = 1, pool: str = "max", objective: str = "kl",
+    ranking_top_k: int = 8,
 ) -> torch.Tensor:
-    """Mean of ``KL(target || prediction)`` over heads and the queries that have at least two blocks to rank.
+    """Mean of ``KL(target || prediction)`` (or, with ``objective="ranking"``, of the Plackett-Luce loss of the
+    target's ``ranking_top_k`` best blocks) over heads and the queries that have at least two blocks to rank.
 
     ``query`` ``[B, Hq, S, D]`` and ``key`` ``[B, Hkv, S, D]`` are one unpadded causal sequence per row; ``gate``
     ``[Hkv, block_size, D]`` (``None`` = mean pooling). Both distributions run over the query's causal blocks
@@ -259,9 +291,14 @@ def gate_distillation_loss(
         ranked = choosable.sum(-1) >= 2  # [B, c]: queries with something to rank
         with torch.no_grad():
             target = _distillation_target(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, choosable, pool)
-        log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
-        terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
-        total = total + (terms.sum(-1) * ranked[:, None]).sum()
+        if objective == "ranking":
+            logits = _prediction_logits(query[:, :, q0:q1], summaries, choosable, scale, _EXCLUDED_LOGIT)
+            terms = _ranking_terms(target, logits, choosable, ranking_top_k)
+        else:
+            log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
+            terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred),
+                                torch.zeros_like(target)).sum(-1)
+        total = total + (terms * ranked[:, None]).sum()
         count = count + ranked.sum() * q_heads
     return total / count.clamp_min(1)
 
@@ -452,7 +489,7 @@ def train_gates(
     def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             loss = gate_distillation_loss(query, key, gates[layer], spec.block_size, scale, config.query_chunk,
-                                          sink_blocks, config.target)
+                                          sink_blocks, config.target, config.objective, config.ranking_top_k)
             loss.backward()
         layer_losses[layer] = loss.detach()  # read once per step, not per layer
 
@@ -637,6 +674,10 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
                         help="queries whose dense logits the PyTorch (CPU) path materialises at once (bounds memory)")
     parser.add_argument("--target", choices=["max", "sum"], default=GateTrainingConfig.target,
                         help="pool the dense attention over a block by its max (default) or sum (its mass)")
+    parser.add_argument("--objective", choices=list(OBJECTIVES), default=GateTrainingConfig.objective,
+                        help="kl (default): KL to the pooled block distribution; ranking: Plackett-Luce loss of its "
+                             "--ranking-top-k best blocks")
+    parser.add_argument("--ranking-top-k", type=int, default=GateTrainingConfig.ranking_top_k)
     parser.add_argument("--include-forced", action="store_true",
                         help="distil over every causal block (skip_forced_blocks=False)")
     parser.add_argument("--checkpoint-every", type=int, default=GateTrainingConfig.checkpoint_every)
@@ -668,7 +709,8 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
                                 learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
                                 layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
-                                target=args.target, skip_forced_blocks=not args.include_forced, seed=args.seed)
+                                target=args.target, objective=args.objective,
+                                ranking_top_k=args.ranking_top_k, skip_forced_blocks=not args.include_forced, seed=args.seed)
     from .eval import stdlib_training_files
 
     patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]

@@ -22,7 +22,7 @@ BLOCK = 64
 LAYERS = (2, 3)
 
 
-def _brute_force_loss(query, key, gate, block_size, scale, sink_blocks, pool="max"):
+def _brute_force_loss(query, key, gate, block_size, scale, sink_blocks, pool="max", ranking_top_k=None):
     """The objective written out one query at a time (the spec ``gate_distillation_loss`` must match)."""
     _, q_heads, length, dim = query.shape
     group = q_heads // key.shape[1]
@@ -49,8 +49,13 @@ def _brute_force_loss(query, key, gate, block_size, scale, sink_blocks, pool="ma
             reduce = torch.max if pool == "max" else torch.sum
             target = torch.stack([reduce(probs[j * block_size : (j + 1) * block_size]) for j in blocks])
             target = target / target.sum()
-            log_pred = torch.log_softmax(summaries[blocks] @ q * scale, dim=0)
-            total += float((target * (target.log() - log_pred)).sum())
+            logits = summaries[blocks] @ q * scale
+            if ranking_top_k is None:
+                total += float((target * (target.log() - torch.log_softmax(logits, dim=0))).sum())
+            else:  # Plackett-Luce: the target's r-th best must outscore every block not yet placed
+                order = target.argsort(descending=True)
+                total += sum(float(torch.logsumexp(logits[order[r:]], 0) - logits[order[r]])
+                             for r in range(min(ranking_top_k, len(blocks))))
             count += 1
     return total / count
 
@@ -68,6 +73,21 @@ def test_objective_matches_brute_force(gated, sink_blocks, pool):
     assert loss.item() > 0
     expected = _brute_force_loss(query, key, gate, 16, 0.5, sink_blocks, pool)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("sink_blocks", [None, 1])
+@pytest.mark.parametrize("top_k", [1, 3, 9])
+def test_ranking_objective_matches_brute_force(sink_blocks, top_k):
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 4, 88, 8, generator=generator)
+    key = torch.randn(1, 2, 88, 8, generator=generator)
+    gate = (torch.rand(2, 16, 8, generator=generator) / 16).requires_grad_()
+    loss = training.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks,
+                                           pool="sum", objective="ranking", ranking_top_k=top_k)
+    expected = _brute_force_loss(query, key, gate.detach(), 16, 0.5, sink_blocks, "sum", ranking_top_k=top_k)
+    assert expected > 0 and loss.item() == pytest.approx(expected, rel=1e-5)
+    loss.backward()  # rows with nothing or one block to rank give no NaN
+    assert torch.isfinite(gate.grad).all() and gate.grad.abs().sum() > 0
 
 
 def test_gradient_reaches_only_the_gate():
@@ -195,7 +215,8 @@ def test_cli_train_gates(smollm2, tmp_path, capsys):
 
 
 def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch):
-    """--target, --include-forced and --data stdlib (beside a folder) become the run's settings and texts."""
+    """--target, --objective, --ranking-top-k, --include-forced and --data stdlib (beside a folder) become the run's
+    settings and texts."""
     seen = {}
 
     def fake_train(model, texts, config, **kwargs):
@@ -208,10 +229,13 @@ def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch
     (data / "own.py").write_text("x = 1\n")
     code = cli_main(["train-gates", "--model", "default", "--data", "stdlib", str(data), "--tokens", str(SEQ),
                      "--out", str(tmp_path / "out"), "--seq-length", str(SEQ), "--target", "sum",
-                     "--include-forced", "--no-progress"])
+                     "--objective", "ranking", "--ranking-top-k", "5", "--include-forced", "--no-progress"])
     assert code == 0
     config = seen["config"]
     assert config.target == "sum" and config.skip_forced_blocks is False
+    assert config.objective == "ranking" and config.ranking_top_k == 5
+    with pytest.raises(ValueError, match="objective must be one of"):
+        training.GateTrainingConfig(objective="listwise")
     from hf_sparse.eval import stdlib_training_files
 
     assert len(seen["texts"]) == len(stdlib_training_files()) + 1 and seen["texts"][-1] == "x = 1\n"
