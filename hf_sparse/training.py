@@ -232,7 +232,8 @@ def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: to
     return torch.log_softmax(_prediction_logits(query, summaries, available, scale, float("-inf")), dim=-1)
 
 
-def _ranking_terms(target: torch.Tensor, logits: torch.Tensor, choosable: torch.Tensor, top_k: int) -> torch.Tensor:
+def _ranking_terms(target: torch.Tensor, logits: torch.Tensor, choosable: torch.Tensor,
+                   top_k: int) -> torch.Tensor:
     """Per query ``[B, Hq, c]``: ``sum_r (logsumexp of the logits of the blocks not yet placed - logit of the
     target's r-th best)`` over the target's first ``min(top_k, choosable)`` blocks (Plackett-Luce)."""
     k = min(top_k, target.shape[-1])
@@ -709,8 +710,8 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
                                 learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
                                 layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
-                                target=args.target, objective=args.objective,
-                                ranking_top_k=args.ranking_top_k, skip_forced_blocks=not args.include_forced, seed=args.seed)
+                                target=args.target, objective=args.objective, ranking_top_k=args.ranking_top_k,
+                                skip_forced_blocks=not args.include_forced, seed=args.seed)
     from .eval import stdlib_training_files
 
     patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]

@@ -176,8 +176,9 @@ def threshold_topk(
 
     ``logits`` are any scores whose softmax is the block distribution (e.g. :func:`block_logits`), finite
     where ``available`` (the rest is ignored). Rows with at most ``top_k[1]`` available blocks select all of
-    them. The others run a bisection on ``f`` in ``[0, 1]``, the cut's probability relative to the row's top block (cut = max + log f),
-    for ``search_steps`` steps, stopping per row once ``count(logit >= cut)`` lands in ``[top_k[0], top_k[1]]``.
+    them. The others run a bisection on ``f`` in ``[0, 1]``, the cut's probability relative to the row's top
+    block (cut = max + log f), for ``search_steps`` steps, stopping per row once ``count(logit >= cut)`` lands
+    in ``[top_k[0], top_k[1]]``.
     Halving f from 1 reaches no deeper than ``search_steps * log 2`` under the row's best: a row with fewer
     than ``top_k[0]`` blocks above that (a sharp head, where the search would find nothing) bisects the cut
     itself instead, between its lowest available logit and that depth, in the same number of steps.
