@@ -194,25 +194,22 @@ def threshold_topk(
     # The deepest cut halving f reaches; a row with fewer than `left` blocks above it bisects the cut instead.
     deepest = row_max + torch.log(torch.full_like(row_max, 0.5 ** search_steps))
     deep = ~found & ((logits >= deepest).sum(-1, keepdim=True) < left)
-    low = torch.zeros_like(row_max)  # f in [low, high]
-    high = torch.ones_like(row_max)
-    cut_low = logits.masked_fill(~available, float("inf")).amin(-1, keepdim=True)  # the cut in [cut_low, cut_high]
-    cut_high = deepest
+    # Bounds of the bisection: f in [0, 1], or for a deep row the cut in [its lowest logit, deepest].
+    lowest = logits.masked_fill(~available, float("inf")).amin(-1, keepdim=True)
+    low = torch.where(deep, lowest, torch.zeros_like(row_max))
+    high = torch.where(deep, deepest, torch.ones_like(row_max))
     cut = torch.full_like(row_max, float("-inf"))
     for _ in range(search_steps):
         mid = (low + high) * 0.5
-        mid_cut = torch.where(deep, (cut_low + cut_high) * 0.5, row_max + torch.log(mid))
+        mid_cut = torch.where(deep, mid, row_max + torch.log(mid.clamp_min(1e-30)))  # (a deep row's mid is a cut)
         count = (logits >= mid_cut).sum(-1, keepdim=True)
         landed = (count >= left) & (count <= right) & ~found
         cut = torch.where(landed, mid_cut, cut)
         found |= landed
-        too_many, few = (count > right) & ~found, (count <= right) & ~found
-        low = torch.where(too_many & ~deep, mid, low)
-        high = torch.where(few & ~deep, mid, high)
-        cut_low = torch.where(too_many & deep, mid_cut, cut_low)
-        cut_high = torch.where(few & deep, mid_cut, cut_high)
+        low = torch.where((count > right) & ~found, mid, low)
+        high = torch.where((count < left) & ~found, mid, high)
     # A row that never landed: its last cut with too many blocks.
-    cut = torch.where(found, cut, torch.where(deep, cut_low, row_max + torch.log(low.clamp_min(1e-30))))
+    cut = torch.where(found, cut, torch.where(deep, low, row_max + torch.log(low.clamp_min(1e-30))))
     selected = (logits >= cut) & available
     return torch.where(n_available <= right, available, selected)
 

@@ -103,31 +103,25 @@ def _choose(logits, row_last, own_block, blocks, top_left, top_right, search_ste
     # The deepest cut halving f reaches; a row with fewer than top_left blocks above it bisects the cut instead.
     deepest = row_max + tl.log(tl.exp2(-(tl.zeros_like(row_max) + search_steps)))
     deep = (searching > 0) & (_count(logits, deepest, FLOAT_COUNTS) < top_left)
-    low = tl.zeros_like(row_max)  # f in [low, high]
-    high = tl.full(row_max.shape, 1.0, tl.float32)
-    cut_low = tl.min(tl.where(visible, logits, float("inf")), 1)  # the cut in [cut_low, cut_high]
-    cut_low = tl.where(deep, cut_low, 0.0)  # finite for rows that do not use it
-    cut_high = tl.where(deep, deepest, 0.0)
+    # Bounds of the bisection: f in [0, 1], or for a deep row the cut in [its lowest logit, deepest].
+    low = tl.where(deep, tl.min(tl.where(visible, logits, float("inf")), 1), 0.0)
+    high = tl.where(deep, deepest, 1.0)
     cut = tl.full(row_max.shape, float("-inf"), tl.float32)
     step = 0
     open_rows = tl.sum(1 - found, 0)
     while (step < search_steps) & (open_rows > 0):
         mid = (low + high) * 0.5
-        mid_cut = tl.where(deep, (cut_low + cut_high) * 0.5, row_max + tl.log(mid))
+        mid_cut = tl.where(deep, mid, row_max + tl.log(tl.maximum(mid, 1e-30)))  # (a deep row's mid is a cut)
         count = _count(logits, mid_cut, FLOAT_COUNTS)
         landed = (count >= top_left) & (count <= top_right) & (found == 0)
         cut = tl.where(landed, mid_cut, cut)
         found = tl.where(landed, 1, found)
-        too_many = (count > top_right) & (found == 0)
-        few = (count <= top_right) & (found == 0)
-        low = tl.where(too_many & ~deep, mid, low)
-        high = tl.where(few & ~deep, mid, high)
-        cut_low = tl.where(too_many & deep, mid_cut, cut_low)
-        cut_high = tl.where(few & deep, mid_cut, cut_high)
+        low = tl.where((count > top_right) & (found == 0), mid, low)
+        high = tl.where((count < top_left) & (found == 0), mid, high)
         step += 1
         open_rows = tl.sum(1 - found, 0)
     # A row that never landed: its last cut with too many blocks; rows that do not search: every available block.
-    cut = tl.where(found > 0, cut, tl.where(deep, cut_low, row_max + tl.log(tl.maximum(low, 1e-30))))
+    cut = tl.where(found > 0, cut, tl.where(deep, low, row_max + tl.log(tl.maximum(low, 1e-30))))
     cut = tl.where(searching > 0, cut, float("-inf"))
     forced = (blocks[None, :] == own_block[:, None]) | (blocks[None, :] < SINK_BLOCKS)
     return ((logits >= cut[:, None]) | forced) & visible
