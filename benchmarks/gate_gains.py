@@ -11,7 +11,9 @@ linearly in density along mean pooling's curve of means). Writes JSON and a PNG 
 
 ``--oracle`` adds the best any block scorer could do: "oracle" ranks each query's blocks by their true dense
 attention mass (then the same threshold top-k, forced blocks and tile union as PLAS; the PyTorch reference of the
-selection, unpadded inputs): a gate set can at most approach its curve. ``--gates`` may then be empty.
+selection, unpadded inputs): a gate set can at most approach its curve. ``--subblock-max BLOCK:SUB`` adds a
+non-linear block score, the largest ``q . mean`` over the block's sub-blocks of SUB keys (what a selection with
+BLOCK / SUB summaries per block would rank by). ``--gates`` may then be empty.
 
     python benchmarks/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
         --json docs/runs/gate_gains.json --png docs/gate_gains.png
@@ -39,8 +41,33 @@ PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out pro
               "per point (error bars: standard error)")
 
 
-def oracle_select_prefill(method, query, summaries, key, *, scale, q_offset, kv_start, **unused):
-    """PLAS's prefill selection with each query's blocks ranked by their true dense attention mass."""
+def oracle_scores(query, key, block, scale, q_start):
+    """Each query's log attention mass per key block (the best any block scorer could rank by)."""
+    from hf_sparse.kernels import reference
+
+    return reference.pooled_block_logits(query, key, block, scale, q_start, "sum")
+
+
+def subblock_max_scores(sub):
+    """A non-linear block scorer: the largest ``q . mean(keys)`` over the block's sub-blocks of ``sub`` keys."""
+    def scores(query, key, block, scale, q_start):
+        from hf_sparse.kernels import reference
+
+        batch, q_heads, num_queries, dim = query.shape
+        kv_start = torch.zeros(batch, dtype=torch.long, device=key.device)
+        summaries = reference.block_summaries(key, None, kv_start, sub)  # [B, Hkv, sub-blocks, D]
+        group = q_heads // key.shape[1]
+        logits = torch.matmul(query.float(), summaries.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+        ratio, num_blocks = block // sub, -(-key.shape[2] // block)
+        logits = torch.nn.functional.pad(logits, (0, num_blocks * ratio - logits.shape[-1]), value=float("-inf"))
+        return logits.view(batch, q_heads, num_queries, num_blocks, ratio).amax(-1)
+    return scores
+
+
+def scored_select_prefill(method, score, query, summaries, key, *, scale, q_offset, kv_start, **unused):
+    """PLAS's prefill selection (threshold top-k, forced blocks, tile union; PyTorch reference, unpadded inputs)
+    with each query's blocks ranked by ``score(query, key, block, scale, first query's slot)`` instead of the
+    summaries."""
     from hf_sparse.kernels import reference
     from hf_sparse.selection import BlockSelection
 
@@ -54,10 +81,10 @@ def oracle_select_prefill(method, query, summaries, key, *, scale, q_offset, kv_
     block_ids = torch.arange(num_blocks, device=query.device)
     for q0 in range(0, num_queries, 512):
         q1 = min(num_queries, q0 + 512)
-        log_mass = reference.pooled_block_logits(query[:, :, q0:q1], key, block, scale, q_offset + q0, "sum")
         available = reference.block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block, key_length)
-        log_mass = log_mass.masked_fill(~available[:, None], float("-inf"))
-        chosen = reference.threshold_topk(log_mass, available[:, None], config.prefill_top_k, config.search_steps)
+        logits = score(query[:, :, q0:q1], key, block, scale, q_offset + q0)[..., :num_blocks]
+        logits = logits.masked_fill(~available[:, None], float("-inf"))
+        chosen = reference.threshold_topk(logits, available[:, None], config.prefill_top_k, config.search_steps)
         own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
         forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
         chosen |= (forced[None] & available)[:, None]
@@ -68,12 +95,14 @@ def oracle_select_prefill(method, query, summaries, key, *, scale, q_offset, kv_
 
 
 @contextlib.contextmanager
-def oracle_selection():
-    """Within: PLAS's prefill ranks blocks by true attention mass (:func:`oracle_select_prefill`)."""
+def scored_selection(score):
+    """Within: PLAS's prefill ranks blocks by ``score`` (:func:`scored_select_prefill`)."""
+    import functools
+
     from hf_sparse.methods.plas import PLASMethod
 
     original = PLASMethod.select_prefill
-    PLASMethod.select_prefill = oracle_select_prefill
+    PLASMethod.select_prefill = functools.partialmethod(scored_select_prefill, score)
     try:
         yield
     finally:
@@ -149,6 +178,9 @@ def main() -> None:
     parser.add_argument("--gates", nargs="*", default=[], help="gate files or folders (one block size each)")
     parser.add_argument("--oracle", type=int, nargs="*", default=[], metavar="BLOCK",
                         help="also the oracle selection (blocks ranked by true attention mass) at these block sizes")
+    parser.add_argument("--subblock-max", nargs="*", default=[], metavar="BLOCK:SUB",
+                        help="also a non-linear scorer at block size BLOCK: the largest q . mean over its sub-blocks "
+                             "of SUB keys (mean pooling's summaries at SUB, maxed per block)")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
                         help="no run: the tables and --png of earlier runs' --json files (their rows together)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -178,8 +210,15 @@ def main() -> None:
         if args.png:
             plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
         return
-    if not args.gates and not args.oracle:
-        parser.error("name at least one gate file (--gates), --oracle BLOCK or earlier runs (--replot)")
+    if not args.gates and not args.oracle and not args.subblock_max:
+        parser.error("name at least one gate file (--gates), --oracle BLOCK, --subblock-max BLOCK:SUB or earlier "
+                     "runs (--replot)")
+    scorers = {f"oracle {block}": (block, oracle_scores) for block in args.oracle}  # label: (block, score)
+    for spec in args.subblock_max:
+        block, sub = (int(part) for part in spec.split(":"))
+        if block % sub:
+            parser.error(f"--subblock-max {spec}: {sub} does not divide {block}")
+        scorers[f"subblock max {sub}"] = (block, subblock_max_scores(sub))
     env = environment()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
@@ -201,10 +240,11 @@ def main() -> None:
             model.set_attn_implementation("sdpa")
             with torch.no_grad():
                 dense = torch.log_softmax(model(ids[None], logits_to_keep=args.last_n).logits.float(), -1)[0]
-            blocks = dict.fromkeys([block for _, block in files] + args.oracle)
+            blocks = dict.fromkeys([block for _, block in files] + [block for block, _ in scorers.values()])
             runs = [(block, "mean pooling", None) for block in blocks]
             runs += [(block, name, path) for (path, block), name in zip(files, names)]
-            runs += [(block, "oracle", "oracle") for block in args.oracle]
+            runs += [(block, label.split(" ")[0] if label.startswith("oracle") else label, label)
+                     for label, (block, _) in scorers.items()]
             for block, gates_name, path in runs:
                 for fraction in args.fractions:
                     left = max(2, round(fraction * length / block))
@@ -212,8 +252,9 @@ def main() -> None:
                                                   prefill_top_k=(left, math.ceil(1.25 * left)),
                                                   dense_above_density=None, density_memory=False)
                     hf_sparse.configure(model, config)
-                    set_gates(model, None if path in (None, "oracle") else read_gate_file(path, gate_spec(model, block)))
-                    with oracle_selection() if path == "oracle" else contextlib.nullcontext():
+                    set_gates(model, None if path is None or path in scorers
+                              else read_gate_file(path, gate_spec(model, block)))
+                    with scored_selection(scorers[path][1]) if path in scorers else contextlib.nullcontext():
                         sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
                     kl = (dense.exp() * (dense - sparse)).sum(-1)
                     samples.append({"length": length, "block": block, "gates": gates_name, "fraction": fraction,
