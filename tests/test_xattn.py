@@ -157,7 +157,7 @@ def test_softcap_gives_the_capped_attention_mass_per_block(softcap):
     torch.testing.assert_close(got, probs.view(1, 2, 4, 16, 4, 16).sum(5).sum(3), atol=1e-5, rtol=1e-5)
     summaries = ref.block_summaries(key, None, torch.tensor([0]), 16)
     available = ref.block_availability(1, 4, 63, torch.tensor([0]), 16, 64)
-    got = ref.block_scores(query[:, :, -1:], summaries, 0.35, available, softcap=softcap)
+    got = torch.softmax(ref.block_logits(query[:, :, -1:], summaries, 0.35, available, softcap=softcap), -1)
     expected = torch.softmax(softcap * torch.tanh(query[:, :, -1:] @ summaries.transpose(-1, -2) * 0.35 / softcap), -1)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
@@ -324,7 +324,7 @@ def test_decode_selection_threshold_on_block_summaries():
     assert (sparse.counts < full.counts).all()
     # Same rule by hand: per query head, smallest mass-ordered set, united over the GQA group.
     available = ref.block_availability(1, 13, 199, kv_start, 16, 200)
-    probs = ref.block_scores(query, summaries, 0.25, available)
+    probs = torch.softmax(ref.block_logits(query, summaries, 0.25, available), -1).nan_to_num(0.0)
     forced = torch.zeros(2, 1, 1, 13, dtype=torch.bool)
     forced[..., 0] = True
     forced[0, ..., 12] = forced[1, ..., 10] = True

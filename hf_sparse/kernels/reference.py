@@ -156,19 +156,6 @@ def block_logits(
     return logits.masked_fill(~available[:, None], float("-inf"))
 
 
-def block_scores(
-    query: torch.Tensor,
-    summaries: torch.Tensor,
-    scale: float,
-    available: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """``softmax_j`` of :func:`block_logits` over the available blocks: float32 ``[B, Hq, Sq, nb]`` (0 elsewhere)."""
-    probs = torch.softmax(block_logits(query, summaries, scale, available, bias, softcap), dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)
-
-
 def threshold_topk(
     logits: torch.Tensor, available: torch.Tensor, top_k: tuple[int, int], search_steps: int
 ) -> torch.Tensor:

@@ -99,7 +99,8 @@ class XAttnMethod:
         available = reference.block_availability(
             num_queries, num_blocks, q_offset, kv_start, config.block_size, key_length
         )  # [B, Sq, nb]
-        probs = reference.block_scores(query, summaries, scale, available, softcap=softcap)
+        logits = reference.block_logits(query, summaries, scale, available, softcap=softcap)
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # rows with no available block: 0
         block_ids = torch.arange(num_blocks, device=query.device)
         query_slots = q_offset + torch.arange(num_queries, device=query.device)
         own_block = torch.div(query_slots[None, :] - kv_start[:, None], config.block_size, rounding_mode="floor")
