@@ -9,11 +9,10 @@ and next-token KL / top-1 (mean and standard deviation over the windows), then t
 pooling's KL at each trained point's density and its density at the trained point's KL (log-KL interpolated
 linearly in density along mean pooling's curve of means). Writes JSON and a PNG (one panel per length and block).
 
-``--oracle`` adds the best any block scorer could do: "oracle" ranks each query's blocks by their true dense
-attention mass (then the same threshold top-k, forced blocks and tile union as PLAS; the PyTorch reference of the
-selection, unpadded inputs): a gate set can at most approach its curve. ``--subblock-max BLOCK:SUB`` adds a
-non-linear block score, the largest ``q . mean`` over the block's sub-blocks of SUB keys (what a selection with
-BLOCK / SUB summaries per block would rank by). ``--gates`` may then be empty.
+``--scorers NAME:BLOCK[:R]...`` adds curves for other block scorers (``block_scorers.SCORERS``; the rest of the
+selection is PLAS's, on the PyTorch path): ``oracle`` ranks each query's blocks by their true dense attention mass, the
+best any scorer could do; ``fitted-low-rank:BLOCK:R`` by their largest logit in R key directions fitted on training
+code. ``--gates`` may then be empty.
 
     python benchmarks/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
         --json docs/runs/gate_gains.json --png docs/gate_gains.png
@@ -35,78 +34,11 @@ from hf_sparse.eval import held_out_sequences
 from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_gates
 
 from _common import environment, header, save_figure, table, write_json
+from block_scorers import SCORERS, LayerCursor, build_scorers, fit_key_bases, parse_spec, scored_selection
 
 
-PLOT_TITLE = ("PLAS gates vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over {sequences} windows "
-              "per point (error bars: standard error)")
-
-
-def oracle_scores(query, key, block, scale, q_start):
-    """Each query's log attention mass per key block (the best any block scorer could rank by)."""
-    from hf_sparse.kernels import reference
-
-    return reference.pooled_block_logits(query, key, block, scale, q_start, "sum")
-
-
-def subblock_max_scores(sub):
-    """A non-linear block scorer: the largest ``q . mean(keys)`` over the block's sub-blocks of ``sub`` keys."""
-    def scores(query, key, block, scale, q_start):
-        from hf_sparse.kernels import reference
-
-        batch, q_heads, num_queries, dim = query.shape
-        kv_start = torch.zeros(batch, dtype=torch.long, device=key.device)
-        summaries = reference.block_summaries(key, None, kv_start, sub)  # [B, Hkv, sub-blocks, D]
-        group = q_heads // key.shape[1]
-        logits = torch.matmul(query.float(), summaries.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-        ratio, num_blocks = block // sub, -(-key.shape[2] // block)
-        logits = torch.nn.functional.pad(logits, (0, num_blocks * ratio - logits.shape[-1]), value=float("-inf"))
-        return logits.view(batch, q_heads, num_queries, num_blocks, ratio).amax(-1)
-    return scores
-
-
-def scored_select_prefill(method, score, query, summaries, key, *, scale, q_offset, kv_start, **unused):
-    """PLAS's prefill selection (threshold top-k, forced blocks, tile union; PyTorch reference, unpadded inputs)
-    with each query's blocks ranked by ``score(query, key, block, scale, first query's slot)`` instead of the
-    summaries."""
-    from hf_sparse.kernels import reference
-    from hf_sparse.selection import BlockSelection
-
-    config = method.config
-    batch, q_heads, num_queries, _ = query.shape
-    block, tile = config.block_size, config.query_union
-    key_length = key.shape[2]
-    num_blocks = -(-key_length // block)
-    num_tiles = -(-num_queries // tile)
-    mask = torch.zeros(batch, q_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
-    block_ids = torch.arange(num_blocks, device=query.device)
-    for q0 in range(0, num_queries, 512):
-        q1 = min(num_queries, q0 + 512)
-        available = reference.block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block, key_length)
-        logits = score(query[:, :, q0:q1], key, block, scale, q_offset + q0)[..., :num_blocks]
-        logits = logits.masked_fill(~available[:, None], float("-inf"))
-        chosen = reference.threshold_topk(logits, available[:, None], config.prefill_top_k, config.search_steps)
-        own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
-        forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
-        chosen |= (forced[None] & available)[:, None]
-        for t in range(q0 // tile, -(-q1 // tile)):
-            lo, hi = max(q0, t * tile) - q0, min(q1, (t + 1) * tile) - q0
-            mask[:, :, t] |= chosen[:, :, lo:hi].any(2)
-    return BlockSelection.from_mask(mask, block_size=block, query_tile=tile)
-
-
-@contextlib.contextmanager
-def scored_selection(score):
-    """Within: PLAS's prefill ranks blocks by ``score`` (:func:`scored_select_prefill`)."""
-    import functools
-
-    from hf_sparse.methods.plas import PLASMethod
-
-    original = PLASMethod.select_prefill
-    PLASMethod.select_prefill = functools.partialmethod(scored_select_prefill, score)
-    try:
-        yield
-    finally:
-        PLASMethod.select_prefill = original
+PLOT_TITLE = ("PLAS gates and block scorers vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over "
+              "{sequences} windows per point (error bars: standard error)")
 
 
 def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
@@ -176,11 +108,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="*", default=[], help="gate files or folders (one block size each)")
-    parser.add_argument("--oracle", type=int, nargs="*", default=[], metavar="BLOCK",
-                        help="also the oracle selection (blocks ranked by true attention mass) at these block sizes")
-    parser.add_argument("--subblock-max", nargs="*", default=[], metavar="BLOCK:SUB",
-                        help="also a non-linear scorer at block size BLOCK: the largest q . mean over its sub-blocks "
-                             "of SUB keys (mean pooling's summaries at SUB, maxed per block)")
+    parser.add_argument("--scorers", nargs="*", default=[], metavar="NAME:BLOCK[:R]",
+                        help="also these block scorers: " + "; ".join(
+                            f"{name}:BLOCK{':R' if sized else ''} ({what})" for name, (sized, what) in SCORERS.items()))
+    parser.add_argument("--query-stride", type=int, default=1, metavar="S",
+                        help="the scorers (not gate files) select for every S-th query only; each tile takes the "
+                             "union of those and every query's forced blocks")
+    parser.add_argument("--fit-windows", type=int, default=4,
+                        help="windows of training code (of the longest --lengths) that fitted-low-rank is fitted on")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
                         help="no run: the tables and --png of earlier runs' --json files (their rows together)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -210,18 +145,27 @@ def main() -> None:
         if args.png:
             plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
         return
-    if not args.gates and not args.oracle and not args.subblock_max:
-        parser.error("name at least one gate file (--gates), --oracle BLOCK, --subblock-max BLOCK:SUB or earlier "
-                     "runs (--replot)")
-    scorers = {f"oracle {block}": (block, oracle_scores) for block in args.oracle}  # label: (block, score)
-    for spec in args.subblock_max:
-        block, sub = (int(part) for part in spec.split(":"))
-        if block % sub:
-            parser.error(f"--subblock-max {spec}: {sub} does not divide {block}")
-        scorers[f"subblock max {sub}"] = (block, subblock_max_scores(sub))
+    if not args.gates and not args.scorers:
+        parser.error("name at least one gate file (--gates), scorer (--scorers) or earlier runs (--replot)")
+    try:
+        specs = [parse_spec(spec) for spec in args.scorers]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.query_stride < 1:
+        parser.error("--query-stride must be >= 1")
     env = environment()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
+    fitted, cursor = None, None
+    if any(name == "fitted-low-rank" for name, _, _ in specs):
+        fit_start = time.perf_counter()
+        rank = max(r for name, _, r in specs if name == "fitted-low-rank")
+        fitted = fit_key_bases(model, tokenizer, rank, max(args.lengths), args.fit_windows, args.device)
+        cursor = LayerCursor(model)
+        print(f"key directions fitted on {args.fit_windows} windows of training code "
+              f"({time.perf_counter() - fit_start:.0f} s)")
+    built = build_scorers(args.scorers, args.query_stride, fitted, cursor)
+    scorers = {f"{scorer.label} (block {scorer.block})": scorer for scorer in built}
     files = []
     for source in args.gates:
         path = resolve_gate_file(source)
@@ -240,11 +184,10 @@ def main() -> None:
             model.set_attn_implementation("sdpa")
             with torch.no_grad():
                 dense = torch.log_softmax(model(ids[None], logits_to_keep=args.last_n).logits.float(), -1)[0]
-            blocks = dict.fromkeys([block for _, block in files] + [block for block, _ in scorers.values()])
+            blocks = dict.fromkeys([block for _, block in files] + [scorer.block for scorer in built])
             runs = [(block, "mean pooling", None) for block in blocks]
             runs += [(block, name, path) for (path, block), name in zip(files, names)]
-            runs += [(block, label.split(" ")[0] if label.startswith("oracle") else label, label)
-                     for label, (block, _) in scorers.items()]
+            runs += [(scorer.block, scorer.label, key) for key, scorer in scorers.items()]
             for block, gates_name, path in runs:
                 for fraction in args.fractions:
                     left = max(2, round(fraction * length / block))
@@ -254,7 +197,9 @@ def main() -> None:
                     hf_sparse.configure(model, config)
                     set_gates(model, None if path is None or path in scorers
                               else read_gate_file(path, gate_spec(model, block)))
-                    with scored_selection(scorers[path][1]) if path in scorers else contextlib.nullcontext():
+                    scored = path in scorers
+                    stride = args.query_stride
+                    with scored_selection(scorers[path].score, stride) if scored else contextlib.nullcontext():
                         sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
                     kl = (dense.exp() * (dense - sparse)).sum(-1)
                     samples.append({"length": length, "block": block, "gates": gates_name, "fraction": fraction,
@@ -263,6 +208,8 @@ def main() -> None:
                                     "top1": (dense.argmax(-1) == sparse.argmax(-1)).float().mean().item()})
             print(f"{length} tokens, window {index + 1}/{args.sequences} done ({time.perf_counter() - start:.0f} s)",
                   flush=True)
+            if args.json:  # so far (a run cut short keeps its finished windows)
+                write_json(args.json, {"environment": env, "args": vars(args), "samples": samples, "partial": True})
     set_gates(model, None)
     model.set_attn_implementation("sdpa")
     rows = summarise(samples)
@@ -328,7 +275,8 @@ def report(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
         return "-" if value is None else format(value, spec)
 
     print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
-                 ("gates", lambda r: r["gates"]), ("trained density", lambda r: f"{r['density']:.3f}"), ("trained KL", lambda r: f"{r['kl']:.4f}"),
+                 ("gates", lambda r: r["gates"]), ("trained density", lambda r: f"{r['density']:.3f}"),
+                 ("trained KL", lambda r: f"{r['kl']:.4f}"),
                  ("mean pooling KL there", lambda r: fmt(r["mean_kl"], ".4f")),
                  ("KL ratio", lambda r: fmt(r["kl_ratio"], ".2f")),
                  ("mean pooling density at that KL", lambda r: fmt(r["mean_density"], ".3f")),

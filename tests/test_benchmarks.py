@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -119,3 +120,46 @@ def test_fidelity_curves_average_each_setting_per_length_over_its_windows():
     assert merged[0]["kl_last"] == pytest.approx(0.4) and merged[1]["kl"] == 1.0
     assert family("star-block_size=1024-query_tokens=256") == "star-query_tokens=256"
     assert family("plas-prefill_top_k=[8:10]") == "plas (other fields default)"
+
+
+def _scorer_inputs(seed=0, q_heads=6, kv_heads=2, queries=40, keys=203, dim=16):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, q_heads, queries, dim, generator=generator)
+    key = torch.randn(1, kv_heads, keys, dim, generator=generator)
+    return query, key, torch.arange(keys - queries, keys)
+
+
+def test_block_scorers_oracle_and_max_logit_pool_the_reference_logits():
+    from block_scorers import max_logit, oracle
+
+    from hf_sparse.kernels import reference
+
+    query, key, slots = _scorer_inputs()
+    for pool, scorer in (("sum", oracle), ("max", max_logit)):
+        expected = reference.pooled_block_logits(query, key, 32, 0.25, int(slots[0]), pool)
+        assert torch.equal(scorer(query, key, 32, 0.25, slots).isfinite(), expected.isfinite())
+        torch.testing.assert_close(scorer(query, key, 32, 0.25, slots).nan_to_num(neginf=0),
+                                   expected.nan_to_num(neginf=0))
+
+
+def test_low_rank_max_in_every_direction_is_the_largest_logit_and_the_bound_lies_above_it():
+    from block_scorers import bounds, low_rank_max, max_logit
+
+    query, key, slots = _scorer_inputs(seed=1)
+    exact = max_logit(query, key, 32, 0.25, slots)
+    full = low_rank_max(lambda k: torch.eye(k.shape[-1]).expand(k.shape[1], -1, -1))(query, key, 32, 0.25, slots)
+    torch.testing.assert_close(full, exact)
+    visible = exact.isfinite()
+    assert (bounds(query, key, 32, 0.25, slots)[visible] >= exact[visible] - 1e-5).all()
+    half = low_rank_max(lambda k: torch.eye(k.shape[-1])[: k.shape[-1] // 2].expand(k.shape[1], -1, -1))
+    assert not torch.allclose(half(query, key, 32, 0.25, slots)[visible], exact[visible])
+
+
+@pytest.mark.parametrize("spec, message", [("foo:64", "unknown scorer 'foo'"), ("low-rank:64", "low-rank:BLOCK:R"),
+                                           ("oracle:64:2", "oracle:BLOCK"), ("norm-keys:0:4", "positive integers")])
+def test_block_scorer_specs_name_the_problem(spec, message):
+    from block_scorers import parse_spec
+
+    with pytest.raises(ValueError, match=message):
+        parse_spec(spec)
+    assert parse_spec("fitted-low-rank:128:16") == ("fitted-low-rank", 128, 16)
