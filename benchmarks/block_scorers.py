@@ -63,8 +63,6 @@ def subblock_max(sub):
     """The largest ``q . mean(keys)`` over the block's sub-blocks of ``sub`` keys (mean pooling's summaries at
     ``sub``, maxed per block: what ``block / sub`` summaries per block would rank by)."""
     def score(query, key, block, scale, slots):
-        if block % sub:
-            raise ValueError(f"subblock-max: {sub} does not divide the block size {block}")
         count = -(-key.shape[2] // sub)
         sums = torch.nn.functional.pad(key.float(), (0, 0, 0, count * sub - key.shape[2])).unflatten(2, (count, sub))
         valid = (key.shape[2] - sub * torch.arange(count, device=key.device)).clamp(max=sub)
@@ -187,6 +185,8 @@ def parse_spec(spec: str) -> tuple[str, int, int | None]:
     if len(numbers) != (2 if SCORERS[name][0] else 1) or not all(n.isdigit() and int(n) > 0 for n in numbers):
         form = f"{name}:BLOCK:R" if SCORERS[name][0] else f"{name}:BLOCK"
         raise ValueError(f"scorer {spec!r}: expected {form} with positive integers")
+    if name == "subblock-max" and int(numbers[0]) % int(numbers[1]):
+        raise ValueError(f"scorer {spec!r}: {numbers[1]} does not divide the block size {numbers[0]}")
     return name, int(numbers[0]), int(numbers[1]) if len(numbers) == 2 else None
 
 

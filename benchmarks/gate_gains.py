@@ -134,7 +134,7 @@ def main() -> None:
         import json
 
         runs = [json.load(open(path)) for path in args.replot]
-        rows = [row for run in runs for row in run["rows"]]
+        rows = [row for run in runs for row in run.get("rows") or summarise(run["samples"])]  # (a cut run: samples)
         rows = [row for index, row in enumerate(rows)  # a curve measured in several runs (mean pooling): the first
                 if (row["length"], row["block"], row["gates"], row["fraction"]) not in
                 {(r["length"], r["block"], r["gates"], r["fraction"]) for r in rows[:index]}]

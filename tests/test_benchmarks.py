@@ -156,7 +156,8 @@ def test_low_rank_max_in_every_direction_is_the_largest_logit_and_the_bound_lies
 
 
 @pytest.mark.parametrize("spec, message", [("foo:64", "unknown scorer 'foo'"), ("low-rank:64", "low-rank:BLOCK:R"),
-                                           ("oracle:64:2", "oracle:BLOCK"), ("norm-keys:0:4", "positive integers")])
+                                           ("oracle:64:2", "oracle:BLOCK"), ("norm-keys:0:4", "positive integers"),
+                                           ("subblock-max:64:24", "24 does not divide")])
 def test_block_scorer_specs_name_the_problem(spec, message):
     from block_scorers import parse_spec
 
