@@ -40,6 +40,11 @@ def padded_blocks(key, block):
     return padded.float().unflatten(2, (num_blocks, block))
 
 
+def mean_key(query, key, block, scale, slots):
+    """``q . mean(block's keys)``: mean pooling on this path (to combine with a query stride)."""
+    return subblock_max(block)(query, key, block, scale, slots)
+
+
 def oracle(query, key, block, scale, slots):
     """Each query's log attention mass per block: the best any block scorer could rank by."""
     return pooled_logits(causal_logits(query, key, scale, slots), block, "sum")
@@ -166,6 +171,7 @@ class Scorer:
 
 #: name: (takes R, what it ranks by)
 SCORERS = {
+    "mean": (False, "q . mean key, as mean pooling (with --query-stride)"),
     "oracle": (False, "true attention mass per block (the ceiling)"),
     "max-logit": (False, "each block's true largest logit"),
     "bounds": (False, "Quest's per-channel key bound"),
@@ -199,7 +205,8 @@ def build_scorers(specs, query_stride, fitted_bases=None, cursor=None) -> list[S
         if name == "fitted-low-rank":
             score = low_rank_max(lambda key, r=r: fitted_bases[cursor.layer][:, :r].to(key.device))
         else:
-            score = {"oracle": lambda: oracle, "max-logit": lambda: max_logit, "bounds": lambda: bounds,
+            score = {"mean": lambda: mean_key, "oracle": lambda: oracle, "max-logit": lambda: max_logit,
+                     "bounds": lambda: bounds,
                      "subblock-max": lambda: subblock_max(r), "norm-keys": lambda: chosen_keys(r, key_norm),
                      "attended-keys": lambda: chosen_keys(r, most_attended),
                      "low-rank": lambda: low_rank_max(own_key_basis(r))}[name]()
