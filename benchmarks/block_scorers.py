@@ -16,20 +16,7 @@ from typing import Callable
 
 import torch
 
-
-def causal_logits(query, key, scale, slots):
-    """Scaled logits ``[B, Hq, Sq, Sk]`` (float32) of queries at key slots ``slots``, ``-inf`` past each one's slot."""
-    keys = key.float().repeat_interleave(query.shape[1] // key.shape[1], 1)
-    logits = torch.matmul(query.float() * scale, keys.transpose(-1, -2))
-    return logits.masked_fill_(torch.arange(key.shape[2], device=key.device) > slots[:, None], float("-inf"))
-
-
-def pooled_logits(logits, block, pool):
-    """``[..., Sk]`` logits pooled per key block (``"max"``, or ``"sum"``: log of the summed exponentials)."""
-    num_blocks = -(-logits.shape[-1] // block)
-    blocks = torch.nn.functional.pad(logits, (0, num_blocks * block - logits.shape[-1]), value=float("-inf"))
-    blocks = blocks.unflatten(-1, (num_blocks, block))
-    return blocks.amax(-1) if pool == "max" else torch.logsumexp(blocks, -1)
+from hf_sparse.kernels.reference import block_summaries, causal_logits, pooled_block_logits
 
 
 def padded_blocks(key, block):
@@ -47,12 +34,12 @@ def mean_key(query, key, block, scale, slots):
 
 def oracle(query, key, block, scale, slots):
     """Each query's log attention mass per block: the best any block scorer could rank by."""
-    return pooled_logits(causal_logits(query, key, scale, slots), block, "sum")
+    return pooled_block_logits(query, key, block, scale, slots, "sum")
 
 
 def max_logit(query, key, block, scale, slots):
     """Each query's largest true logit per block: a perfect max-type scorer."""
-    return pooled_logits(causal_logits(query, key, scale, slots), block, "max")
+    return pooled_block_logits(query, key, block, scale, slots, "max")
 
 
 def bounds(query, key, block, scale, slots):
@@ -68,10 +55,8 @@ def subblock_max(sub):
     """The largest ``q . mean(keys)`` over the block's sub-blocks of ``sub`` keys (mean pooling's summaries at
     ``sub``, maxed per block: what ``block / sub`` summaries per block would rank by)."""
     def score(query, key, block, scale, slots):
-        count = -(-key.shape[2] // sub)
-        sums = torch.nn.functional.pad(key.float(), (0, 0, 0, count * sub - key.shape[2])).unflatten(2, (count, sub))
-        valid = (key.shape[2] - sub * torch.arange(count, device=key.device)).clamp(max=sub)
-        means = (sums.sum(3) / valid[:, None]).repeat_interleave(query.shape[1] // key.shape[1], 1)
+        start = torch.zeros(key.shape[0], dtype=torch.long, device=key.device)
+        means = block_summaries(key, None, start, sub).float().repeat_interleave(query.shape[1] // key.shape[1], 1)
         logits = torch.matmul(query.float(), means.transpose(-1, -2)) * scale
         ratio, num_blocks = block // sub, -(-key.shape[2] // block)
         logits = torch.nn.functional.pad(logits, (0, num_blocks * ratio - logits.shape[-1]), value=float("-inf"))
@@ -113,7 +98,7 @@ def low_rank_max(basis):
         directions = basis(key)
         q = torch.matmul(query.float(), directions.repeat_interleave(query.shape[1] // key.shape[1], 0).mT)
         k = torch.matmul(key.float(), directions.mT)
-        return pooled_logits(causal_logits(q, k, scale, slots), block, "max")
+        return pooled_block_logits(q, k, block, scale, slots, "max")
     return score
 
 

@@ -142,6 +142,15 @@ def test_block_scorers_oracle_and_max_logit_pool_the_reference_logits():
                                    expected.nan_to_num(neginf=0))
 
 
+def test_causal_logits_take_the_slots_of_queries_picked_out_of_order():
+    from hf_sparse.kernels import reference
+
+    query, key, slots = _scorer_inputs(seed=2)
+    picked = torch.tensor([0, 7, 3, 39])
+    expected = reference.causal_logits(query, key, 0.25, int(slots[0]))[:, :, picked]
+    torch.testing.assert_close(reference.causal_logits(query[:, :, picked], key, 0.25, slots[picked]), expected)
+
+
 def test_low_rank_max_in_every_direction_is_the_largest_logit_and_the_bound_lies_above_it():
     from block_scorers import bounds, low_rank_max, max_logit
 

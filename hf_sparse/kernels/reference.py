@@ -542,23 +542,27 @@ def default_scale(head_dim: int) -> float:
 
 
 # -- XAttention: antidiagonal block scoring and cumulative-threshold selection -----------------------------
-def causal_logits(query: torch.Tensor, key: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
+def causal_logits(query: torch.Tensor, key: torch.Tensor, scale: float,
+                  q_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Scaled attention logits ``[B, Hq, Sq, Sk]`` (float32) of unpadded rows, ``-inf`` where the key slot is past
-    the query's position (query ``i`` sits at slot ``q_offset + i``); GQA by query head ``h -> h // group``."""
+    the query's position (query ``i`` sits at slot ``q_offset + i``, or at ``q_offset[i]`` when ``q_offset`` is a
+    ``[Sq]`` tensor of slots); GQA by query head ``h -> h // group``."""
     group = query.shape[1] // key.shape[1]
     keys = key.float().repeat_interleave(group, dim=1)
     scores = torch.matmul(query.float() * scale, keys.transpose(-1, -2))
     slots = torch.arange(key.shape[2], device=query.device)
-    hidden = slots[None, :] > (q_offset + torch.arange(query.shape[2], device=query.device))[:, None]
-    return scores.masked_fill_(hidden, float("-inf"))
+    if not isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset + torch.arange(query.shape[2], device=query.device)
+    return scores.masked_fill_(slots[None, :] > q_offset.to(query.device)[:, None], float("-inf"))
 
 
-def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float, q_offset: int = 0,
-                        pool: str = "max") -> torch.Tensor:
+def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float,
+                        q_offset: int | torch.Tensor = 0, pool: str = "max") -> torch.Tensor:
     """Each query's logits pooled over each key block: ``[B, Hq, Sq, ceil(Sk / block_size)]`` float32.
     ``pool="max"``: the block's largest logit; ``pool="sum"``: ``log(sum(exp(logits)))`` over the block, so that a
     softmax over blocks gives each block's attention mass. ``-inf`` for blocks with no key at or before the
-    query's slot. :func:`causal_logits` pooled; the targets of PLAS gate distillation (:mod:`hf_sparse.training`)."""
+    query's slot (``q_offset``: as :func:`causal_logits` takes it). :func:`causal_logits` pooled; the targets of PLAS
+    gate distillation (:mod:`hf_sparse.training`)."""
     if pool not in ("max", "sum"):
         raise ValueError(f"pool must be 'max' or 'sum', got {pool!r}")
     scores = causal_logits(query, key, scale, q_offset)
