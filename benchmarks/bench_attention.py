@@ -49,6 +49,9 @@ Studies, each run instead of the tables above:
   that each gives the same selection; prefill at the ``--prefill`` lengths (plus the current kernel with its
   threshold search skipped) and decode (graph) at ``--decode`` x ``--decode-batches``, ``--select-rounds``
   rounds, the variants interleaved in each.
+* ``--query-stride S[:SCALE] ...`` (e.g. ``8:1.3``): the prefill selection with only every S-th query of a tile
+  searching (``PLASConfig.query_stride``) and top-k scaled by SCALE, beside stride 1 at the ``--prefill``
+  lengths: density, selection and total (summaries, selection, attention) time against SDPA.
 
 Commands (on a GPU):
     python benchmarks/bench_attention.py --xattn 32768 131072 --xattn-sharpness 1 4 [--json FILE]
@@ -57,6 +60,7 @@ Commands (on a GPU):
     python benchmarks/bench_attention.py --int8-layouts
     python benchmarks/bench_attention.py --features 32768 131072
     python benchmarks/bench_attention.py --select-variant before=old.py --prefill 32768 131072
+    python benchmarks/bench_attention.py --query-stride 8 8:1.3 16:1.5 --prefill 32768 131072
 Per-row numbers go to stderr as JSON while it runs; the tables come on stdout; ``--json FILE`` keeps them all.
 """
 from __future__ import annotations
@@ -105,10 +109,10 @@ TUNE_ALIASES = {"prefill": "sparse_prefill", "select": "select_blocks", "decode"
 # -- the calls timed ------------------------------------------------------------------------------------------
 
 
-def prefill_select(query, summaries, kv_start, op=kernels, **options) -> BlockSelection:
+def prefill_select(query, summaries, kv_start, op=kernels, top_k=PREFILL_TOP_K, **options) -> BlockSelection:
     """PLAS prefill selection (``op``: the kernels' dispatch, or a module of ``select_blocks.py``'s launcher)."""
     return op.select_blocks(query, summaries, scale=query.shape[-1] ** -0.5, q_offset=0, kv_start=kv_start,
-                            block_size=BLOCK, top_k=PREFILL_TOP_K, query_tile=BLOCK, head_union=False,
+                            block_size=BLOCK, top_k=top_k, query_tile=BLOCK, head_union=False,
                             sink_blocks=1, **options)
 
 
@@ -690,6 +694,54 @@ def print_select_variants(rows: list[dict]) -> None:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
+def stride_spec(value: str) -> tuple[int, float]:
+    """argparse type of ``--query-stride``: "S" or "S:SCALE" (top-k scaled by SCALE)."""
+    stride, _, scale = value.partition(":")
+    try:
+        spec = int(stride), float(scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected S or S:SCALE, e.g. 8 or 8:1.3") from None
+    if spec[0] < 1 or spec[0] > BLOCK or spec[1] < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: S must be in [1, {BLOCK}] and SCALE >= 1")
+    return spec
+
+
+def query_stride_rows(length: int, specs: list[tuple[int, float]]) -> list[dict]:
+    """Prefill selection at each (stride, top-k scale) of ``specs`` after stride 1 (every query searching)."""
+    query, key, value = structured_qkv(1, length, length, shape=SHAPE)
+    kv_start = RowLayout.uniform(1, "cuda")
+    summ = kernels.block_summaries(key, None, kv_start, BLOCK)
+    sdpa_ms, backend = best_sdpa(query, key, value, causal=True)
+    rows = []
+    for stride, scale in [(1, 1.0)] + [spec for spec in specs if spec != (1, 1.0)]:
+        top_k = tuple(round(k * scale) for k in PREFILL_TOP_K)
+
+        def select(summaries=summ, top_k=top_k, stride=stride):
+            return prefill_select(query, summaries, kv_start, top_k=top_k, query_stride=stride)
+
+        selection = select()
+        row = {"length": length, "stride": stride, "top_k": top_k, "sdpa_ms": sdpa_ms, "sdpa_backend": backend,
+               "density": selection.counts.sum().item() / (causal_tile_blocks(selection.num_query_tiles) * Q_HEADS)}
+        row["select_ms"] = median_ms(select)
+        row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
+        row["total_ms"] = median_ms(lambda: attend(query, key, value, select(
+            kernels.block_summaries(key, None, kv_start, BLOCK)), kv_start))
+        rows.append(row)
+        progress(f"query stride {json.dumps(row)}")
+    return rows
+
+
+def print_query_strides(rows: list[dict]) -> None:
+    print(f"\nPLAS prefill selection with one query in S searching per tile of {BLOCK} (PLASConfig.query_stride), "
+          "top-k scaled (ms); total = summaries + selection + attention")
+    print(table([("length", lambda r: str(r["length"])), ("S", lambda r: str(r["stride"])),
+                 ("top-k", lambda r: f"{r['top_k'][0]}..{r['top_k'][1]}"),
+                 ("density", lambda r: cell(r["density"], ".3f")),
+                 ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
+                 ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
+                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"]))], rows))
+
+
 def fresh(result):
     """``result`` of a row function, once the caching allocator has let go of the row's inputs."""
     torch.cuda.empty_cache()
@@ -728,6 +780,8 @@ def main() -> None:
     parser.add_argument("--select-variant", action="append", default=[], metavar="NAME=PATH",
                         help="study: A/B of this copy of hf_sparse/kernels/select_blocks.py against the package's")
     parser.add_argument("--select-rounds", type=int, default=3, help="rounds of --select-variant (default: 3)")
+    parser.add_argument("--query-stride", type=stride_spec, nargs="+", metavar="S[:SCALE]",
+                        help="study: prefill selection with one query in S searching, top-k scaled by SCALE")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--shape", choices=list(CROSSOVER_SHAPES), default="llama3-8b",
                         help="attention shape of the tables and sweeps (default: %(default)s)")
@@ -741,7 +795,7 @@ def main() -> None:
     results = {"environment": env, "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                              "block": BLOCK, "dtype": "bfloat16"}}
     studies = (args.crossover is not None or args.int8_layouts is not None or args.select_variant
-               or args.features is not None)
+               or args.features is not None or args.query_stride)
     flex = None
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
@@ -761,6 +815,9 @@ def main() -> None:
     if args.select_variant:
         results["select_variants"] = select_variants(args.select_variant, args.prefill, args.decode,
                                                      args.decode_batches, args.select_rounds)
+    if args.query_stride:
+        results["query_stride"] = [row for length in args.prefill
+                                   for row in fresh(query_stride_rows(length, args.query_stride))]
     if not studies:
         results["prefill"], results["xattn"], results["decode"] = [], [], []
         for length in args.prefill:
@@ -784,6 +841,8 @@ def main() -> None:
         print_select_variants(results["select_variants"])
     if "features" in results:
         print_features(results["features"])
+    if "query_stride" in results:
+        print_query_strides(results["query_stride"])
     if args.json:
         write_json(args.json, results)
 

@@ -203,9 +203,9 @@ def build_scorers(specs, query_stride, fitted_bases=None, cursor=None) -> list[S
 
 def scored_select_prefill(method, score, stride, query, summaries, key, *, scale, q_offset, kv_start, **unused):
     """PLAS's prefill selection (threshold top-k, forced blocks, tile union; PyTorch reference, unpadded inputs)
-    with each query's blocks ranked by ``score`` instead of the summaries; with ``stride`` > 1 only every
-    ``stride``-th query (the last of each group) selects, each tile taking the union of those, and the forced
-    blocks of every query."""
+    with each query's blocks ranked by ``score`` instead of the summaries; with ``stride`` > 1 only the queries
+    that search with ``PLASConfig.query_stride`` (every ``stride``-th of a tile and its last) select, each tile
+    taking the union of those, and the forced blocks of every query."""
     from hf_sparse.kernels import reference
     from hf_sparse.selection import BlockSelection
 
@@ -219,7 +219,9 @@ def scored_select_prefill(method, score, stride, query, summaries, key, *, scale
     for q0 in range(0, num_queries, 512):
         q1 = min(num_queries, q0 + 512)
         available = reference.block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block, key_length)
-        rows = torch.arange(min(stride, q1 - q0) - 1, q1 - q0, stride, device=query.device)
+        within = torch.arange(q0, q1, device=query.device) % tile  # searching rows as reference.select_blocks's
+        rows = torch.nonzero((within % stride == stride - 1) | (within == tile - 1)
+                             | (torch.arange(q0, q1, device=query.device) == num_queries - 1))[:, 0]
         logits = score(query[:, :, q0:q1][:, :, rows], key, block, scale, q_offset + q0 + rows)[..., :num_blocks]
         logits = logits.masked_fill(~available[:, None, rows], float("-inf"))
         chosen = torch.zeros(batch, q_heads, q1 - q0, num_blocks, dtype=torch.bool, device=query.device)

@@ -134,6 +134,8 @@ class PLASConfig(_MethodConfig):
         prefill_top_k: (left, right) range for the number of blocks each query selects in prefill.
         decode_top_k: (left, right) range for the number of blocks each query head selects in decode.
         query_union: consecutive prefill queries whose selections are united (one attention tile).
+        query_stride: in prefill only every ``query_stride``-th query of a tile (and its last) runs the threshold
+            top-k; the others add only their own block. 1: every query.
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``prefill_top_k[0] * block_size`` for prefill, as FastDeploy, and ``DECODE_DENSE_FACTOR *
@@ -194,6 +196,7 @@ class PLASConfig(_MethodConfig):
     prefill_top_k: tuple[int, int] = (50, 60)
     decode_top_k: tuple[int, int] = (100, 120)
     query_union: int = 128
+    query_stride: int = 1
     dense_layers: tuple[int, ...] = (-1,)
     dense_below: int | tuple[int, int] | None = None
     sink_blocks: int = 1
@@ -218,6 +221,8 @@ class PLASConfig(_MethodConfig):
         self.decode_top_k = _as_range("decode_top_k", self.decode_top_k)
         if _as_int("query_union", self.query_union) < 1:
             raise ValueError(f"query_union must be >= 1, got {self.query_union}")
+        if not 1 <= _as_int("query_stride", self.query_stride) <= self.query_union:
+            raise ValueError(f"query_stride must be in [1, query_union={self.query_union}], got {self.query_stride}")
         self.dense_layers = _as_layers(self.dense_layers)
         self.dense_below = _as_dense_below(self.dense_below)
         if _as_int("sink_blocks", self.sink_blocks) < 0:

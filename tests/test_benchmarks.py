@@ -173,3 +173,39 @@ def test_block_scorer_specs_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_spec(spec)
     assert parse_spec("fitted-low-rank:128:16") == ("fitted-low-rank", 128, 16)
+
+
+def test_bench_attention_query_stride_spec():
+    """``--query-stride S[:SCALE]``: a stride and a top-k scale, bad ones refused with the spec named."""
+    import argparse
+
+    from bench_attention import stride_spec
+
+    assert stride_spec("8") == (8, 1.0) and stride_spec("16:1.5") == (16, 1.5)
+    for bad in ("0", "8:0.5", "x", "8:y", "999"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad.replace(".", r"\.")):
+            stride_spec(bad)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 8])
+def test_scored_selection_with_mean_keys_is_plas_selection_with_its_query_stride(stride):
+    """The scored-selection hook ranking by ``q . mean key`` selects what PLAS's reference selects from mean
+    summaries with the same ``query_stride`` (tiles of 48 over 200 queries: the last is short)."""
+    from block_scorers import mean_key, scored_select_prefill
+
+    from hf_sparse.config import PLASConfig
+    from hf_sparse.kernels import reference
+    from hf_sparse.methods.plas import PLASMethod
+
+    gen = torch.Generator().manual_seed(stride)
+    query, key = torch.randn(1, 4, 200, 16, generator=gen), torch.randn(1, 2, 200, 16, generator=gen)
+    key = key.repeat_interleave(2, dim=1)  # the hook sees keys per query head
+    config = PLASConfig(block_size=16, query_union=48, prefill_top_k=(2, 3), query_stride=stride, sink_blocks=1)
+    kv_start = torch.zeros(1, dtype=torch.long)
+    got = scored_select_prefill(PLASMethod(config), mean_key, stride, query, None, key, scale=0.25, q_offset=0,
+                                kv_start=kv_start)
+    summaries = reference.block_summaries(key, None, kv_start, 16)
+    expected = reference.select_blocks(query, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=16,
+                                       top_k=(2, 3), query_tile=48, head_union=False, sink_blocks=1,
+                                       search_steps=config.search_steps, query_stride=stride)
+    assert torch.equal(got.to_mask(13), expected.to_mask(13))

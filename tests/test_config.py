@@ -107,3 +107,10 @@ def test_every_registered_method_is_exact_on_short_inputs(method):
     assert torch.equal(model(ids).logits, expected)
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, build(tiny_config(), "sdpa").generate(ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("stride", [0, 129, 2.5])
+def test_query_stride_outside_the_tile_is_refused(stride):
+    with pytest.raises((ValueError, TypeError), match="query_stride"):
+        hf_sparse.PLASConfig(query_union=128, query_stride=stride)
+    assert hf_sparse.PLASConfig(query_union=128, query_stride=128).query_stride == 128

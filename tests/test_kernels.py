@@ -436,6 +436,53 @@ def test_select_blocks_exact_when_the_top_k_sits_deep(size, phase, batch, q_head
     assert (searched <= top_k[1] + 2).all() and num_blocks > 2 * (top_k[1] + 2)
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("stride", [3, 8])
+@pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
+    ("prefill", 3, 4, 2, 64, "bf16"),
+    ("prefill_union", 2, 8, 2, 128, "fp32"),
+])
+def test_select_blocks_query_stride(size, stride, phase, batch, q_heads, kv_heads, dim, dtype):
+    """With ``query_stride`` only every stride-th query of a tile (and its last) searches; the others add their
+    own blocks: the kernel equals the reference, a subset of the selection without a stride (a strict one per head), and every
+    query's own block is in its tile's selection."""
+    gen = torch.Generator().manual_seed(seed("stride", stride, phase, batch, q_heads, dim))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    if size == "small":
+        block = 4  # 21 blocks; tiles of 32 span 8: the skipped queries' own blocks matter
+    top_k = (2, 3) if size == "small" else (8, 12)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    # Two exact logit levels (no cut falls near a logit in any precision): per channel, top_k[0] blocks anywhere
+    # in the row at 0, the rest at -4; each query reads one channel, so queries choose different blocks.
+    high = torch.rand(batch, kv_heads, dim, num_blocks, generator=gen).argsort(-1)[..., : top_k[0]]
+    logits = torch.full((batch, kv_heads, dim, num_blocks), -4.0).scatter_(-1, high, 0.0).transpose(2, 3)
+    scale = 0.5
+    summaries = (logits / scale).to(DEVICE)
+    channel = torch.randint(0, dim, (batch, q_heads, length), generator=gen)
+    query = torch.nn.functional.one_hot(channel, dim).to(DTYPES[dtype]).to(DEVICE)
+    kwargs = dict(scale=scale, q_offset=0, kv_start=kv_start, block_size=block, top_k=top_k, query_tile=tile,
+                  head_union=phase != "prefill", sink_blocks=1, key_length=length, query_stride=stride)
+    expected = ref.select_blocks(query, summaries, **kwargs)
+    selection = run_select(query, summaries, **kwargs)
+    assert torch.equal(selection.counts, expected.counts)
+    assert torch.equal(selection.indices, expected.indices)
+    every = ref.select_blocks(query, summaries, **{**kwargs, "query_stride": 1})
+    mask = expected.to_mask(num_blocks)  # [B, H, tiles, nb]
+    every_mask = every.to_mask(num_blocks)
+    assert not (mask & ~every_mask).any()
+    # Per head and small, the skipped queries' blocks are missed. United over heads, or over the 33 blocks a large
+    # tile sees, the searching queries' channels cover the row as every query's do.
+    assert phase == "prefill_union" or size == "large" or not torch.equal(mask, every_mask)
+    for b in range(batch):
+        pad = int(kv_start[b])
+        for q in range(pad, length):
+            assert mask[b, :, (q - pad) // tile, (q - pad) // block].all()
+    with pytest.raises(ValueError, match="query_stride"):
+        ref.select_blocks(query, summaries, **{**kwargs, "query_stride": 0})
+
+
 @pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])
 def test_decode_select_spans_several_block_chunks(dtype, num_queries):
     """A decode row of 150-odd blocks: its logits come from several programs, the last of which selects."""

@@ -216,6 +216,7 @@ def select_blocks(
     search_steps: int = 16,
     key_length: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    query_stride: int = 1,
 ) -> BlockSelection:
     """Per query and head: threshold top-k over block scores, plus forced blocks, united per row tile.
 
@@ -223,7 +224,11 @@ def select_blocks(
     selection row unites the ``query_tile`` queries of a tile, and with ``head_union`` also the query heads
     of each GQA group (one row per KV head). ``key_length`` defaults to ``q_offset + Sq``. ``alibi_slopes``
     (``[Hq]``) adds head ``h``'s ALiBi bias at the block's centre (at most the query's own slot) to its score.
+    With ``query_stride`` S > 1 only the tile's queries ``S - 1, 2S - 1, ...`` and its last query run the
+    threshold top-k; the others add only their forced blocks.
     """
+    if query_stride < 1:
+        raise ValueError(f"query_stride must be >= 1, got {query_stride}")
     batch, q_heads, num_queries, _ = query.shape
     kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
     key_length = q_offset + num_queries if key_length is None else key_length
@@ -246,9 +251,15 @@ def select_blocks(
         chosen = threshold_topk(logits, available[:, None], top_k, search_steps)
         own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
         forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]
-        chosen |= (forced & available)[:, None]
+        forced &= available
         real = query_ids[None, :] >= pad_q[:, None]
         tile = torch.div(query_ids[None, :] - pad_q[:, None], query_tile, rounding_mode="floor")
+        if query_stride > 1:  # [B, q]: a query that searches (the last of its group of S, or of its tile)
+            within = query_ids[None, :] - pad_q[:, None] - tile * query_tile
+            searching = (within % query_stride == query_stride - 1) | (within == query_tile - 1) \
+                | (query_ids == num_queries - 1)[None, :]
+            chosen &= searching[:, None, :, None]
+        chosen |= forced[:, None]
         tile = torch.where(real, tile, torch.full_like(tile, num_tiles))  # padding queries -> dummy tile
         index = tile[:, None, :, None].expand(batch, q_heads, q1 - q0, num_blocks)
         tile_mask.scatter_reduce_(2, index, chosen.to(torch.uint8), reduce="amax")

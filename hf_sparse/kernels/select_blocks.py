@@ -153,7 +153,8 @@ def _select_blocks_kernel(
     SEL_HEADS: tl.constexpr, HEADS_PER_ROW: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr, QUERY_STRIDE: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -173,11 +174,16 @@ def _select_blocks_kernel(
     union_row = UNION + ((b * SEL_HEADS + sel_head) * band_tiles + tile - first_tile).to(tl.int64) * NB_PAD
     tl.store(union_row + blocks, tl.zeros([NB_PAD], tl.int8))
     tl.debug_barrier()
+    # The tile's searching queries: every QUERY_STRIDE-th (the last of each group) and its last (TILE_ROWS each).
+    tile_first = pad_q + tile * QUERY_TILE
+    tile_last = tl.minimum(tile_first + QUERY_TILE, num_queries) - 1
     for r0 in range(0, ROWS, BLOCK_Q):
         rows = r0 + tl.arange(0, BLOCK_Q)
-        head = first_q_head + rows // QUERY_TILE
-        query = pad_q + tile * QUERY_TILE + rows % QUERY_TILE
-        real = (rows < ROWS) & (query < num_queries)
+        head = first_q_head + rows // TILE_ROWS
+        query = tile_first + (rows % TILE_ROWS) * QUERY_STRIDE + QUERY_STRIDE - 1
+        if QUERY_STRIDE > 1:  # the tile's last group ends at its last query
+            query = tl.minimum(query, tile_last)
+        real = (rows < ROWS) & (query < num_queries) & (query >= tile_first)
         q_slot = q_offset + query
         # A query sees blocks 0 .. its own (the rest start after it): one bound per row, -1 for no query.
         own_block = (q_slot - kv_start) // BLOCK_SIZE
@@ -191,6 +197,11 @@ def _select_blocks_kernel(
         chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS, True)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
+    if QUERY_STRIDE > 1:  # the own blocks of the queries that did not search: those from the first's to the last's
+        own_first = (q_offset + tile_first - kv_start) // BLOCK_SIZE
+        own_last = tl.minimum((q_offset + tile_last - kv_start) // BLOCK_SIZE, last_block)
+        own_last = tl.where(tile_first <= tile_last, own_last, -1)  # (a tile of padding queries only)
+        tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=(blocks >= own_first) & (blocks <= own_last))
     tl.debug_barrier()
 
     union = tl.load(union_row + blocks, cache_modifier=".cg").to(tl.int32)
@@ -301,6 +312,7 @@ def select_blocks(
     alibi_slopes: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     length: torch.Tensor | None = None,
+    query_stride: int = 1,
 ) -> BlockSelection:
     """Triton version of :func:`hf_sparse.kernels.reference.select_blocks` (same arguments and result).
 
@@ -329,8 +341,10 @@ def select_blocks(
     left, right = top_k
     if not 1 <= left <= right:
         raise ValueError(f"top_k must satisfy 1 <= left <= right, got {top_k}")
-    if query_tile < 1 or block_size < 1 or search_steps < 0:
-        raise ValueError("query_tile and block_size must be >= 1, search_steps >= 0")
+    if query_tile < 1 or block_size < 1 or search_steps < 0 or query_stride < 1:
+        raise ValueError("query_tile, block_size and query_stride must be >= 1, search_steps >= 0")
+    if query_stride > 1 and length is not None:
+        raise ValueError("select_blocks: query_stride is for prefill; a device-side length is for decode")
     if max(16, next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
         logger.warning("select_blocks: %d blocks exceed the Triton kernel's %d; using the PyTorch reference",
                        num_blocks, MAX_BLOCKS)
@@ -340,7 +354,8 @@ def select_blocks(
         return reference.select_blocks(query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
                                        block_size=block_size, top_k=top_k, query_tile=query_tile,
                                        head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps,
-                                       key_length=key_length, alibi_slopes=alibi_slopes)
+                                       key_length=key_length, alibi_slopes=alibi_slopes,
+                                       query_stride=query_stride)
     slopes = alibi_args(alibi_slopes, query)
     length_arg = check_length(length, query.device)
     if length is not None:
@@ -380,7 +395,8 @@ def select_blocks(
             summaries = summaries.to(torch.float16)
     elem = max(elem, summaries.element_size())  # the loaded tile, before any conversion, bounds the chunk too
     d_pad = max(16, next_power_of_2(head_dim))
-    rows = (q_heads // kv_heads if head_union else 1) * query_tile
+    tile_rows = -(-query_tile // query_stride)  # searching queries per tile and head
+    rows = (q_heads // kv_heads if head_union else 1) * tile_rows
     # With a device-side length any of the blocks may be visible: one band as wide as the summaries.
     band_offset = num_blocks * block_size if length is not None else q_offset
     for first_tile, tiles, nb_pad in _bands(num_tiles, query_tile, band_offset, block_size, num_blocks):
@@ -398,7 +414,7 @@ def select_blocks(
                           QUERY_TILE=query_tile, ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size,
                           HEAD_DIM=head_dim, D_PAD=d_pad, DOT_DTYPE=dot_dtype, PRECISION=precision,
                           SINK_BLOCKS=sink_blocks, ALIBI=alibi_slopes is not None)
-        if num_tiles == 1 and rows <= block_q:  # decode
+        if num_tiles == 1 and rows <= block_q and query_stride == 1:  # decode
             nb_chunk = min(nb_pad, 64)
             logits = torch.empty(batch * sel_heads * block_q * nb_pad, dtype=torch.float32, device=query.device)
             _decode_select_kernel[(batch * sel_heads, nb_pad // nb_chunk)](
@@ -418,6 +434,6 @@ def select_blocks(
             query, summaries, indices, counts, kv_start, union, slopes,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
-            D_CHUNK=d_chunk, num_warps=warps, **shape_args,
+            D_CHUNK=d_chunk, QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, num_warps=warps, **shape_args,
         )
     return selection

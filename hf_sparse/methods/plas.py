@@ -73,6 +73,7 @@ class PLASMethod:
             block_size=self.config.block_size, top_k=self.config.prefill_top_k,
             query_tile=self.config.query_union, head_union=False,
             sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps,
+            query_stride=self.config.query_stride,
         )
 
     def select_decode(
