@@ -135,7 +135,8 @@ class PLASConfig(_MethodConfig):
         decode_top_k: (left, right) range for the number of blocks each query head selects in decode.
         query_union: consecutive prefill queries whose selections are united (one attention tile).
         query_stride: in prefill only every ``query_stride``-th query of a tile (and its last) runs the threshold
-            top-k; the others add only their own block. 1: every query.
+            top-k; the others add only their own block. 1: every query. The selection takes about that many times
+            less time (docs/benchmarks.md); the density probe's cost estimate does not count it (it errs to dense).
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``prefill_top_k[0] * block_size`` for prefill, as FastDeploy, and ``DECODE_DENSE_FACTOR *

@@ -444,8 +444,8 @@ def test_select_blocks_exact_when_the_top_k_sits_deep(size, phase, batch, q_head
 ])
 def test_select_blocks_query_stride(size, stride, phase, batch, q_heads, kv_heads, dim, dtype):
     """With ``query_stride`` only every stride-th query of a tile (and its last) searches; the others add their
-    own blocks: the kernel equals the reference, a subset of the selection without a stride (a strict one per head), and every
-    query's own block is in its tile's selection."""
+    own blocks: the kernel equals the reference, a subset of the selection without a stride (a strict one per
+    head at the small size), and every query's own block is in its tile's selection."""
     gen = torch.Generator().manual_seed(seed("stride", stride, phase, batch, q_heads, dim))
     d = dims(size)
     length, block, tile = d["length"], d["block"], d["tile"]
