@@ -251,8 +251,8 @@ class LoadedModel:
     tokenizer: Any  # None for the random-weight models
     description: str
 
-    def prompt(self, length: int, segment_vocab: int = 0) -> torch.Tensor:
-        """``[1, length]`` token ids on the GPU: the standard library's source text for the trained model; else
+    def prompt(self, length: int, segment_vocab: int = 0, device: str = "cuda") -> torch.Tensor:
+        """``[1, length]`` token ids on ``device``: the standard library's source text for the trained model; else
         uniform random ids, or (``segment_vocab`` > 0) ids drawn per 2048-token segment from that segment's own
         ``segment_vocab`` random ids, a stand-in for the topical structure of real text."""
         if self.tokenizer is not None:
@@ -261,16 +261,16 @@ class LoadedModel:
             ids = self.tokenizer(stdlib_text(6 * length), return_tensors="pt").input_ids
             if ids.shape[1] < length:
                 raise SystemExit(f"the standard library's text holds only {ids.shape[1]} tokens, fewer than {length}")
-            return ids[:, :length].cuda()
+            return ids[:, :length].to(device)
         vocab = self.model.config.vocab_size
         generator = torch.Generator().manual_seed(1)
         if segment_vocab == 0:
-            return torch.randint(0, vocab, (1, length), generator=generator).cuda()
+            return torch.randint(0, vocab, (1, length), generator=generator).to(device)
         segment = 2048
         segments = -(-length // segment)
         table_ids = torch.randint(0, vocab, (segments, segment_vocab), generator=generator)
         picks = torch.randint(0, segment_vocab, (segments, segment), generator=generator)
-        return torch.gather(table_ids, 1, picks).reshape(1, -1)[:, :length].cuda()
+        return torch.gather(table_ids, 1, picks).reshape(1, -1)[:, :length].to(device)
 
 
 def _random_model(config) -> torch.nn.Module:

@@ -6,7 +6,10 @@ selection ``d`` did, ``layer:D`` for a dense layer by configuration (``dense_lay
 
     python benchmarks/probe_layers.py --model smollm2 --lengths 32768 131072 [--method xattn]
 
-Needs CUDA (the density fallback applies there only).
+``--configs NAME ...`` decides with these configurations instead (method names as ``bench_generate.py`` takes them,
+e.g. ``plas plas-query_stride=4-prefill_top_k=[52:63]``). Needs CUDA (the density fallback applies there only), or
+``--cpu``: the trained SmolLM2 in float32 on the CPU, the PyTorch reference kernels deciding as the GPU's path does
+(slow: about 6 minutes a configuration at 32K on two cores).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import argparse
 
 import torch
 
-from _common import add_model_arguments, load_model
+from _common import LoadedModel, add_model_arguments, load_model, method_name, sparse_config
 
 
 def cell(record) -> str:
@@ -34,19 +37,39 @@ def main() -> None:
     add_model_arguments(parser, default="smollm2")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072], help="prompt lengths in tokens")
     parser.add_argument("--method", choices=["plas", "xattn"], default="plas", help="(default: %(default)s)")
+    parser.add_argument("--configs", nargs="+", type=method_name, metavar="NAME",
+                        help="decide with these configurations (plas / xattn method names) instead")
+    parser.add_argument("--cpu", action="store_true",
+                        help="--model smollm2 in float32 on the CPU, the reference kernels deciding as on CUDA")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_layers.py needs CUDA: the density fallback it reports applies on CUDA only")
+    import dataclasses
+
     import hf_sparse
 
-    loaded = load_model(args)
-    config_class = hf_sparse.PLASConfig if args.method == "plas" else hf_sparse.XAttnConfig
-    configs = {"default": config_class(density_memory=False),
-               "no fallback": config_class(dense_above_density=None, density_memory=False),
-               "dense_above_density=0.85": config_class(dense_above_density=0.85, density_memory=False)}
-    print(loaded.description, "|", args.method)
+    if args.cpu:
+        if args.model != "smollm2" or args.gguf:
+            raise SystemExit("probe_layers.py --cpu runs the default model only (--model smollm2, no --gguf)")
+        from hf_sparse import attention
+        from hf_sparse.default_model import load_default_model
+
+        attention.falls_back_by_density = lambda query: True  # the decisions CUDA's path makes
+        model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.float32, device="cpu")
+        loaded = LoadedModel(model.eval(), tokenizer, "SmolLM2-135M-Instruct in float32 on the CPU (reference kernels)")
+    elif not torch.cuda.is_available():
+        raise SystemExit("probe_layers.py needs CUDA (the density fallback it reports applies on CUDA only) or --cpu")
+    else:
+        loaded = load_model(args)
+    if args.configs:
+        configs = {name: dataclasses.replace(sparse_config(name), density_memory=False) for name in args.configs
+                   if name not in ("sdpa", "sdpa-static")}
+    else:
+        config_class = hf_sparse.PLASConfig if args.method == "plas" else hf_sparse.XAttnConfig
+        configs = {"default": config_class(density_memory=False),
+                   "no fallback": config_class(dense_above_density=None, density_memory=False),
+                   "dense_above_density=0.85": config_class(dense_above_density=0.85, density_memory=False)}
+    print(loaded.description, "|", args.method if not args.configs else "--configs")
     for length in args.lengths:
-        ids = loaded.prompt(length)
+        ids = loaded.prompt(length, device="cpu" if args.cpu else "cuda")
         for name, config in configs.items():
             hf_sparse.configure(loaded.model, config)
             with torch.no_grad(), hf_sparse.record_sparsity() as recorder:

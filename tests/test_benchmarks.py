@@ -209,3 +209,12 @@ def test_scored_selection_with_mean_keys_is_plas_selection_with_its_query_stride
                                        top_k=(2, 3), query_tile=48, head_union=False, sink_blocks=1,
                                        search_steps=config.search_steps, query_stride=stride)
     assert torch.equal(got.to_mask(13), expected.to_mask(13))
+
+
+def test_probe_layers_cpu_runs_the_default_model_only(monkeypatch):
+    """``probe_layers.py --cpu`` refuses another model before loading anything, naming what it runs."""
+    import probe_layers
+
+    monkeypatch.setattr(sys, "argv", ["probe_layers.py", "--cpu", "--model", "smollm2-random"])
+    with pytest.raises(SystemExit, match="--cpu runs the default model only"):
+        probe_layers.main()
