@@ -197,9 +197,8 @@ def main() -> None:
                     hf_sparse.configure(model, config)
                     set_gates(model, None if path is None or path in scorers
                               else read_gate_file(path, gate_spec(model, block)))
-                    scored = path in scorers
-                    stride = args.query_stride
-                    with scored_selection(scorers[path].score, stride) if scored else contextlib.nullcontext():
+                    scored = scored_selection(scorers[path].score, args.query_stride) if path in scorers else None
+                    with scored or contextlib.nullcontext():
                         sparse, density = sparse_logprobs(model, ids[None], config, args.last_n)
                     kl = (dense.exp() * (dense - sparse)).sum(-1)
                     samples.append({"length": length, "block": block, "gates": gates_name, "fraction": fraction,

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="--model smollm2 in float32 on the CPU, the reference kernels deciding as on CUDA")
     args = parser.parse_args()
+    if any(name in ("sdpa", "sdpa-static") for name in args.configs or ()):
+        parser.error("--configs: sdpa and sdpa-static make no sparse decisions; name plas / xattn configurations")
     import dataclasses
 
     import hf_sparse
@@ -60,8 +62,7 @@ def main() -> None:
     else:
         loaded = load_model(args)
     if args.configs:
-        configs = {name: dataclasses.replace(sparse_config(name), density_memory=False) for name in args.configs
-                   if name not in ("sdpa", "sdpa-static")}
+        configs = {name: dataclasses.replace(sparse_config(name), density_memory=False) for name in args.configs}
     else:
         config_class = hf_sparse.PLASConfig if args.method == "plas" else hf_sparse.XAttnConfig
         configs = {"default": config_class(density_memory=False),

@@ -218,3 +218,13 @@ def test_probe_layers_cpu_runs_the_default_model_only(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["probe_layers.py", "--cpu", "--model", "smollm2-random"])
     with pytest.raises(SystemExit, match="--cpu runs the default model only"):
         probe_layers.main()
+
+
+def test_probe_layers_refuses_dense_configs(monkeypatch, capsys):
+    """``probe_layers.py --configs`` names plas / xattn configurations; sdpa is refused, not skipped."""
+    import probe_layers
+
+    monkeypatch.setattr(sys, "argv", ["probe_layers.py", "--configs", "plas", "sdpa"])
+    with pytest.raises(SystemExit):
+        probe_layers.main()
+    assert "sdpa and sdpa-static make no sparse decisions" in capsys.readouterr().err
