@@ -2,8 +2,8 @@
 memory-efficient) and FlexAttention on the same inputs, with the same block mask.
 
 Shape (Llama-3-8B attention): 32 query heads, 8 KV heads, head dim 128, bfloat16, BNSD contiguous, block 128.
-Prefill: batch 1, causal, query tiles of 128, PLAS top-k 50..60 per query (PLASConfig's defaults) united over
-each tile per query head, one sink block; FlexAttention (torch.compile) runs a BlockMask built from the same
+Prefill: batch 1, causal, query tiles of 128, PLAS top-k 55..66 for one query in 4 (PLASConfig's defaults) united
+over each tile per query head, one sink block; FlexAttention (torch.compile) runs a BlockMask built from the same
 BlockSelection, the diagonal blocks partial through a causal mask_mod. Decode: one query per sequence, top-k
 100..120 per query head united over the GQA group, batch 1 and 8.
 
@@ -50,8 +50,9 @@ Studies, each run instead of the tables above:
   threshold search skipped) and decode (graph) at ``--decode`` x ``--decode-batches``, ``--select-rounds``
   rounds, the variants interleaved in each.
 * ``--query-stride S[:SCALE] ...`` (e.g. ``8:1.3``): the prefill selection with only every S-th query of a tile
-  searching (``PLASConfig.query_stride``) and top-k scaled by SCALE, beside stride 1 at the ``--prefill``
-  lengths: density, selection and total (summaries, selection, attention) time against SDPA.
+  searching (``PLASConfig.query_stride``) and top-k 50..60 scaled by SCALE, beside stride 1 at 50..60 (every
+  query searching, FastDeploy's selection) at the ``--prefill`` lengths: density, selection and total (summaries,
+  selection, attention) time against SDPA and FlexAttention with the same mask. ``4:1.1`` is PLASConfig's default.
 
 Commands (on a GPU):
     python benchmarks/bench_attention.py --xattn 32768 131072 --xattn-sharpness 1 4 [--json FILE]
@@ -92,6 +93,10 @@ SHAPE = LLAMA3_8B_ATTENTION
 Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
 PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
+QUERY_STRIDE = PLASConfig().query_stride
+#: The ``--query-stride`` study's base: every query searching (FastDeploy's selection) at top-k 50..60; PLASConfig's
+#: default top-k is 10% above it, for about its density with one query in 4 searching.
+STRIDE_1_TOP_K = (50, 60)
 CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION,
                     "gemma2-9b": GEMMA2_9B_ATTENTION}  # Gemma 2's head dim 256, for --features (softcap)
 
@@ -109,11 +114,12 @@ TUNE_ALIASES = {"prefill": "sparse_prefill", "select": "select_blocks", "decode"
 # -- the calls timed ------------------------------------------------------------------------------------------
 
 
-def prefill_select(query, summaries, kv_start, op=kernels, top_k=PREFILL_TOP_K, **options) -> BlockSelection:
+def prefill_select(query, summaries, kv_start, op=kernels, top_k=PREFILL_TOP_K, query_stride=QUERY_STRIDE,
+                   **options) -> BlockSelection:
     """PLAS prefill selection (``op``: the kernels' dispatch, or a module of ``select_blocks.py``'s launcher)."""
     return op.select_blocks(query, summaries, scale=query.shape[-1] ** -0.5, q_offset=0, kv_start=kv_start,
                             block_size=BLOCK, top_k=top_k, query_tile=BLOCK, head_union=False,
-                            sink_blocks=1, **options)
+                            sink_blocks=1, query_stride=query_stride, **options)
 
 
 def decode_select(query, summaries, kv_start, length: int, op=kernels) -> BlockSelection:
@@ -436,8 +442,9 @@ def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> Non
     totals = [("total", ms("total_ms")), ("SDPA / total", ratio("sdpa_ms", "total_ms")),
               ("total / Flex", ratio("total_ms", "flex_ms")), ("attend TFLOP/s", ms("attend_tflops", ".0f"))]
     if prefill_rows:
-        print(f"\nPLAS prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} per query united over "
-              f"{BLOCK} queries (ms); int8: the same selection with int8 K/V, values blocked / token-major")
+        print(f"\nPLAS prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} for one query in "
+              f"{QUERY_STRIDE} united over {BLOCK} queries (ms); int8: the same selection with int8 K/V, values "
+              "blocked / token-major")
         print(table(shared + [("summaries", ms("summaries_ms")), ("select", ms("select_ms")),
                               ("attend", ms("attend_ms"))] + totals
                     + [("int8 attend", ms("attend_int8_ms")), ("vs bf16", ratio("attend_ms", "attend_int8_ms")),
@@ -514,7 +521,9 @@ def crossover_row(shape_name: str, length: int, densities: list[float]) -> dict:
     query, key, value = structured_qkv(1, length, length, structured=False, shape=shape)
     kv_start = RowLayout.uniform(1, "cuda")
     dense_ms, backend = best_sdpa(query, key, value, causal=True)
-    plas_ms = median_ms(lambda: prefill_select(query, kernels.block_summaries(key, None, kv_start, BLOCK), kv_start))
+    # Every query searching: the selection cost PLASMethod.SELECTION_COST estimates (an upper bound at a stride).
+    plas_ms = median_ms(lambda: prefill_select(query, kernels.block_summaries(key, None, kv_start, BLOCK), kv_start,
+                                               query_stride=1))
     xattn = METHODS["xattn"](XAttnConfig())
     xattn_ms = median_ms(lambda: xattn.select_prefill(query, None, key, scale=shape.head_dim ** -0.5, q_offset=0,
                                                       kv_start=kv_start))
@@ -706,15 +715,16 @@ def stride_spec(value: str) -> tuple[int, float]:
     return spec
 
 
-def query_stride_rows(length: int, specs: list[tuple[int, float]]) -> list[dict]:
-    """Prefill selection at each (stride, top-k scale) of ``specs`` after stride 1 (every query searching)."""
+def query_stride_rows(length: int, specs: list[tuple[int, float]], flex) -> list[dict]:
+    """Prefill selection at each (stride, top-k scale) of ``specs`` after stride 1 (every query searching); with
+    ``flex``, FlexAttention over each row's own block mask beside it."""
     query, key, value = structured_qkv(1, length, length, shape=SHAPE)
     kv_start = RowLayout.uniform(1, "cuda")
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)
     sdpa_ms, backend = best_sdpa(query, key, value, causal=True)
     rows = []
     for stride, scale in [(1, 1.0)] + [spec for spec in specs if spec != (1, 1.0)]:
-        top_k = tuple(round(k * scale) for k in PREFILL_TOP_K)
+        top_k = tuple(round(k * scale) for k in STRIDE_1_TOP_K)
 
         def select(summaries=summ, top_k=top_k, stride=stride):
             return prefill_select(query, summaries, kv_start, top_k=top_k, query_stride=stride)
@@ -726,6 +736,8 @@ def query_stride_rows(length: int, specs: list[tuple[int, float]]) -> list[dict]
         row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
         row["total_ms"] = median_ms(lambda: attend(query, key, value, select(
             kernels.block_summaries(key, None, kv_start, BLOCK)), kv_start))
+        if flex is not None:
+            row["flex_ms"] = flex_ms(flex, query, key, value, selection, length)
         rows.append(row)
         progress(f"query stride {json.dumps(row)}")
     return rows
@@ -739,7 +751,10 @@ def print_query_strides(rows: list[dict]) -> None:
                  ("density", lambda r: cell(r["density"], ".3f")),
                  ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
                  ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
-                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"]))], rows))
+                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"])),
+                 ("Flex, same mask", lambda r: cell(r.get("flex_ms"), ".2f")),
+                 ("total / Flex", lambda r: speedup(r["total_ms"] / r["flex_ms"]) if "flex_ms" in r else "-")],
+                rows))
 
 
 def fresh(result):
@@ -817,7 +832,7 @@ def main() -> None:
                                                      args.decode_batches, args.select_rounds)
     if args.query_stride:
         results["query_stride"] = [row for length in args.prefill
-                                   for row in fresh(query_stride_rows(length, args.query_stride))]
+                                   for row in fresh(query_stride_rows(length, args.query_stride, flex))]
     if not studies:
         results["prefill"], results["xattn"], results["decode"] = [], [], []
         for length in args.prefill:

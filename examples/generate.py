@@ -47,7 +47,7 @@ def main() -> None:
     prompt, key = passkey_prompt(tokenizer, args.tokens, args.seed)
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
     length = inputs.input_ids.shape[1]
-    # The default PLAS config (block 128, top-k 50-60) keeps a 4K prompt dense; this demo config makes both
+    # The default PLAS config (block 128, top-k 55-66) keeps a 4K prompt dense; this demo config makes both
     # phases sparse at 4K so the effect is visible.
     config = hf_sparse.PLASConfig(block_size=64, prefill_top_k=(5, 7), decode_top_k=(8, 10), query_union=64,
                                   dense_below=0)

@@ -10,13 +10,14 @@ from hf_sparse.config import CONFIG_KEY, PLASConfig
 from conftest import build, tiny_config
 
 
-def test_defaults_match_fastdeploy():
-    """FastDeploy's block size, top-k ranges, union and prefill threshold; decode runs dense below four times
-    FastDeploy's threshold (where a GQA group's united selections keep most blocks)."""
+def test_defaults_follow_fastdeploy():
+    """FastDeploy's block size, decode top-k, union and prefill threshold rule (top_k[0] blocks); one query in 4
+    searches, with a prefill top-k 10% above FastDeploy's (50, 60) for the same density; decode runs dense below
+    four times FastDeploy's threshold (where a GQA group's united selections keep most blocks)."""
     config = PLASConfig()
-    assert config.block_size == 128 and config.prefill_top_k == (50, 60) and config.decode_top_k == (100, 120)
-    assert config.query_union == 128 and config.dense_layers == (-1,)
-    assert config.dense_threshold("prefill") == 50 * 128 and config.dense_threshold("decode") == 4 * 100 * 128
+    assert config.block_size == 128 and config.prefill_top_k == (55, 66) and config.decode_top_k == (100, 120)
+    assert config.query_union == 128 and config.query_stride == 4 and config.dense_layers == (-1,)
+    assert config.dense_threshold("prefill") == 55 * 128 and config.dense_threshold("decode") == 4 * 100 * 128
     assert PLASConfig(dense_below=0).dense_threshold("decode") == 0
     assert PLASConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
 
@@ -54,6 +55,7 @@ def test_from_fastdeploy_keys():
         "plas_decoder_top_k_left": 10, "plas_decoder_top_k_right": 12, "plas_use_decoder_seq_limit": 4096,
     })
     assert config.block_size == 64 and config.prefill_top_k == (5, 9) and config.decode_top_k == (10, 12)
+    assert config.query_stride == 1  # FastDeploy's selection: every query searches
     assert config.dense_threshold("prefill") == 5 * 64 and config.dense_threshold("decode") == 4096
     legacy = PLASConfig.from_fastdeploy({"moba_encoder_top_k_left": 50, "moba_encoder_top_k_right": 60})
     assert legacy.prefill_top_k == (50, 60)
@@ -109,8 +111,10 @@ def test_every_registered_method_is_exact_on_short_inputs(method):
     assert torch.equal(out, build(tiny_config(), "sdpa").generate(ids, max_new_tokens=4, do_sample=False))
 
 
-@pytest.mark.parametrize("stride", [0, 129, 2.5])
-def test_query_stride_outside_the_tile_is_refused(stride):
+@pytest.mark.parametrize("stride", [0, -4, 2.5, "4"])
+def test_query_stride_below_one_or_not_an_integer_is_refused(stride):
     with pytest.raises((ValueError, TypeError), match="query_stride"):
         hf_sparse.PLASConfig(query_union=128, query_stride=stride)
-    assert hf_sparse.PLASConfig(query_union=128, query_stride=128).query_stride == 128
+    # Past the tile only its last query searches; the default stride fits any tile.
+    assert hf_sparse.PLASConfig(query_union=128, query_stride=129).query_stride == 129
+    assert hf_sparse.PLASConfig(query_union=2).query_stride == 4

@@ -437,15 +437,16 @@ def test_select_blocks_exact_when_the_top_k_sits_deep(size, phase, batch, q_head
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("stride", [3, 8])
+@pytest.mark.parametrize("stride", [3, 8, 1000])
 @pytest.mark.parametrize("phase, batch, q_heads, kv_heads, dim, dtype", [
     ("prefill", 3, 4, 2, 64, "bf16"),
     ("prefill_union", 2, 8, 2, 128, "fp32"),
 ])
 def test_select_blocks_query_stride(size, stride, phase, batch, q_heads, kv_heads, dim, dtype):
-    """With ``query_stride`` only every stride-th query of a tile (and its last) searches; the others add their
-    own blocks: the kernel equals the reference, a subset of the selection without a stride (a strict one per
-    head at the small size), and every query's own block is in its tile's selection."""
+    """With ``query_stride`` only every stride-th query of a tile (and its last) searches, past the tile's length
+    its last only; the others add their own blocks: the kernel equals the reference, a subset of the selection
+    without a stride (a strict one per head at the small size), and every query's own block is in its tile's
+    selection."""
     gen = torch.Generator().manual_seed(seed("stride", stride, phase, batch, q_heads, dim))
     d = dims(size)
     length, block, tile = d["length"], d["block"], d["tile"]

@@ -345,6 +345,7 @@ def select_blocks(
         raise ValueError("query_tile, block_size and query_stride must be >= 1, search_steps >= 0")
     if query_stride > 1 and length is not None:
         raise ValueError("select_blocks: query_stride is for prefill; a device-side length is for decode")
+    query_stride = min(query_stride, query_tile)  # from the tile's length on, only its last query searches
     if max(16, next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
         logger.warning("select_blocks: %d blocks exceed the Triton kernel's %d; using the PyTorch reference",
                        num_blocks, MAX_BLOCKS)
