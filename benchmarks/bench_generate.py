@@ -64,7 +64,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
-                     progress, require_cuda, save_figure, speedup, table, use_method, write_json)
+                     progress, require_cuda, round_orders, save_figure, speedup, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
 
@@ -146,19 +146,6 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
     if stats is not None and stats.disabled_reason:
         row["graphs_disabled"] = stats.disabled_reason
     return row
-
-
-def round_orders(methods: list[str], rounds: int) -> list[list[str]]:
-    """The order of the methods in each TTFT round: the rows of a Williams design (a Latin square, and its mirror
-    for an odd number of methods), cycled, so that each method runs at each position equally often and right after
-    each other method equally often (a plain rotation put the same method before each one every round: 61-round
-    runs at 8K had plas at 0.97x sdpa's when it followed sdpa, 0.99x when it followed xattn)."""
-    count = len(methods)
-    first = [0] + [(k + 1) // 2 if k % 2 else count - k // 2 for k in range(1, count)]
-    design = [[(index + shift) % count for index in first] for shift in range(count)]
-    if count % 2:
-        design += [row[::-1] for row in design]
-    return [[methods[index] for index in design[round_index % len(design)]] for round_index in range(rounds)]
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instr
 prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over ``--length`` prompt tokens with an
   all-ones 2D attention mask (default model: the
   SmolLM2-135M shape, whose small layers show host time). Per method: the median wall time of ``--repeats``
-  forwards against the GPU busy time (its kernels' union, torch.profiler): what the host adds; the GPU time by
+  forwards (rounds in which the methods take turns, all before any profiling) against the GPU busy time (its kernels' union, torch.profiler): what the host adds; the GPU time by
   kernel; the synchronising CUDA calls of one forward, by the Python line that made them
   (torch.cuda.set_sync_debug_mode). "plas-noprobe": dense_above_density=None, the sparse kernels at any density.
 decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--steps`` decode steps under
@@ -51,7 +51,7 @@ import warnings
 import torch
 
 from _common import (add_model_arguments, cache_kwarg, environment, graph_counts, header, load_model,
-                     method_name, progress, require_cuda, speedup, table, use_method)
+                     method_name, progress, require_cuda, round_orders, speedup, table, use_method)
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the GPU
 
@@ -186,30 +186,38 @@ def prefill(args, loaded) -> None:
     model, ids = loaded.model, loaded.prompt(args.length)
     layers = model.config.num_hidden_layers
     forward = first_token if args.generate else globals()["forward"]
-    rows, details = [], []
-    for method in args.methods:
+    methods = list(dict.fromkeys(args.methods))
+    for method in methods:  # warm-up: kernel compilation
         use_method(model, method)
-        forward(model, ids)  # warm-up: kernel compilation
-        walls = []
-        for _ in range(args.repeats):
+        forward(model, ids)
+    # Every timed call before any profiling, the methods taking turns in balanced orders: a method's profiling
+    # (torch.profiler, the sync check, cProfile) slowed the host's later calls (timed one method after another, the
+    # first ran at 26 ms and the later ones at 34-51 ms; generate(), 2K tokens, H100).
+    walls = {method: [] for method in methods}
+    for order in round_orders(methods, args.repeats):
+        for method in order:
+            use_method(model, method)
             torch.cuda.synchronize()
             start = time.perf_counter()
             forward(model, ids)
             torch.cuda.synchronize()
-            walls.append((time.perf_counter() - start) * 1e3)
+            walls[method].append((time.perf_counter() - start) * 1e3)
+    rows, details = [], []
+    for method in methods:
+        use_method(model, method)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             forward(model, ids)
             torch.cuda.synchronize()
         sites = sync_sites(model, ids, forward)
         hot = host_profile(model, ids, forward, args.cprofile) if args.cprofile else ""
-        row = {"method": method, "wall_ms": statistics.median(walls), "syncs": sum(sites.values())}
+        row = {"method": method, "wall_ms": statistics.median(walls[method]), "syncs": sum(sites.values())}
         row["gpu_ms"] = timeline(gpu_intervals(prof))["busy_us"] / 1e3
         rows.append(row)
         details.append((method, kernel_table(prof, 1, args.rows), sites, hot))
         progress(json.dumps(row))
     what = "generate(max_new_tokens=1)" if args.generate else "one forward"
     print(f"\n{header(environment())}\n{loaded.description}; {what} of {args.length} tokens, all-ones 2D mask; "
-          f"wall = median of {args.repeats}, GPU busy = union of its kernels (torch.profiler)")
+          f"wall = median of {args.repeats} balanced rounds, GPU busy = union of its kernels (torch.profiler)")
     print(table([("method", lambda r: r["method"]), ("wall ms", lambda r: f"{r['wall_ms']:.1f}"),
                  ("GPU busy ms", lambda r: f"{r['gpu_ms']:.1f}"),
                  ("host-bound gap ms", lambda r: f"{r['wall_ms'] - r['gpu_ms']:.1f}"),

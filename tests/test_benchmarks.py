@@ -7,8 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _common import sparse_config  # noqa: E402
-from bench_generate import add_ratios, round_orders  # noqa: E402
+from _common import round_orders, sparse_config  # noqa: E402
+from bench_generate import add_ratios  # noqa: E402
 
 
 @pytest.mark.parametrize("value", ["False", "false"])
