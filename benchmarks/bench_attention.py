@@ -94,9 +94,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
 PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
 QUERY_STRIDE = PLASConfig().query_stride
-#: The ``--query-stride`` study's base: every query searching (FastDeploy's selection) at top-k 50..60; PLASConfig's
-#: default top-k is 10% above it, for about its density with one query in 4 searching.
-STRIDE_1_TOP_K = (50, 60)
+#: The ``--query-stride`` study's base: every query searching at FastDeploy's top-k 50..60.
+STRIDE_1_TOP_K = PLASConfig.FASTDEPLOY_PREFILL_TOP_K
 CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION,
                     "gemma2-9b": GEMMA2_9B_ATTENTION}  # Gemma 2's head dim 256, for --features (softcap)
 

@@ -9,8 +9,9 @@ SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instr
 prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over ``--length`` prompt tokens with an
   all-ones 2D attention mask (default model: the
   SmolLM2-135M shape, whose small layers show host time). Per method: the median wall time of ``--repeats``
-  forwards (rounds in which the methods take turns, all before any profiling) against the GPU busy time (its kernels' union, torch.profiler): what the host adds; the GPU time by
-  kernel; the synchronising CUDA calls of one forward, by the Python line that made them
+  forwards (rounds in which the methods take turns, all before any profiling) against the GPU busy time (its
+  kernels' union, torch.profiler): what the host adds; the GPU time by kernel; the synchronising CUDA calls of
+  one forward, by the Python line that made them
   (torch.cuda.set_sync_debug_mode). "plas-noprobe": dense_above_density=None, the sparse kernels at any density.
 decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--steps`` decode steps under
   torch.profiler, replayed from a CUDA graph (hf_sparse.graphs, as generate() runs them) or, with ``--eager``,

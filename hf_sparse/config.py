@@ -246,6 +246,9 @@ class PLASConfig(_MethodConfig):
 
     #: Default decode ``dense_below``, in multiples of ``decode_top_k[0]`` blocks (see the field's description).
     DECODE_DENSE_FACTOR = 4
+    #: FastDeploy's prefill top-k, every query searching (``query_stride=1``); the default ``prefill_top_k`` is 10%
+    #: above it for about its density with one query in 4 searching.
+    FASTDEPLOY_PREFILL_TOP_K = (50, 60)
 
     def dense_threshold(self, phase: str) -> int:
         """Sequence length below which the phase runs dense."""
@@ -274,8 +277,8 @@ class PLASConfig(_MethodConfig):
             raise ValueError(f"unknown FastDeploy PLAS key(s): {', '.join(unknown)}")
         default = cls()
         block_size = opts.get("plas_block_size", default.block_size)
-        prefill = (opts.get("plas_encoder_top_k_left", default.prefill_top_k[0]),
-                   opts.get("plas_encoder_top_k_right", default.prefill_top_k[1]))
+        prefill = (opts.get("plas_encoder_top_k_left", cls.FASTDEPLOY_PREFILL_TOP_K[0]),
+                   opts.get("plas_encoder_top_k_right", cls.FASTDEPLOY_PREFILL_TOP_K[1]))
         decode = (opts.get("plas_decoder_top_k_left", default.decode_top_k[0]),
                   opts.get("plas_decoder_top_k_right", default.decode_top_k[1]))
         enc_limit = opts.get("plas_use_encoder_seq_limit")

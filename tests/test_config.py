@@ -57,8 +57,10 @@ def test_from_fastdeploy_keys():
     assert config.block_size == 64 and config.prefill_top_k == (5, 9) and config.decode_top_k == (10, 12)
     assert config.query_stride == 1  # FastDeploy's selection: every query searches
     assert config.dense_threshold("prefill") == 5 * 64 and config.dense_threshold("decode") == 4096
-    legacy = PLASConfig.from_fastdeploy({"moba_encoder_top_k_left": 50, "moba_encoder_top_k_right": 60})
-    assert legacy.prefill_top_k == (50, 60)
+    legacy = PLASConfig.from_fastdeploy({"moba_encoder_top_k_left": 40, "moba_encoder_top_k_right": 48})
+    assert legacy.prefill_top_k == (40, 48)
+    unset = PLASConfig.from_fastdeploy({})  # FastDeploy's own prefill top-k, not ours for one query in 4
+    assert unset.prefill_top_k == PLASConfig.FASTDEPLOY_PREFILL_TOP_K == (50, 60) and unset.query_stride == 1
     with pytest.raises(ValueError, match="plas_bogus"):
         PLASConfig.from_fastdeploy({"plas_bogus": 1})
 
