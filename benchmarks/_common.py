@@ -367,6 +367,18 @@ def round_orders(methods: list[str], rounds: int) -> list[list[str]]:
     return [[methods[index] for index in design[round_index % len(design)]] for round_index in range(rounds)]
 
 
+def interleaved(model: torch.nn.Module, methods: list[str], rounds: int, call) -> dict[str, list[float]]:
+    """What ``call(method)`` returns (a time) for each method in each of ``rounds`` rounds, the model switched to
+    the method before each call, in the orders of :func:`round_orders`: a drift of the host's speed within a round,
+    and what a call pays after another method's, favour none."""
+    times = {method: [] for method in methods}
+    for order in round_orders(methods, rounds):
+        for method in order:
+            use_method(model, method)
+            times[method].append(call(method))
+    return times
+
+
 def method_name(value: str) -> str:
     """argparse type of a method name: "sdpa", "sdpa-static" or a valid :func:`sparse_config` name."""
     if value not in ("sdpa", "sdpa-static"):

@@ -92,8 +92,8 @@ from hf_sparse.selection import BlockSelection, RowLayout
 SHAPE = LLAMA3_8B_ATTENTION
 Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
-PREFILL_TOP_K, DECODE_TOP_K = PLASConfig().prefill_top_k, PLASConfig().decode_top_k
-QUERY_STRIDE = PLASConfig().query_stride
+_DEFAULTS = PLASConfig()
+PREFILL_TOP_K, DECODE_TOP_K, QUERY_STRIDE = _DEFAULTS.prefill_top_k, _DEFAULTS.decode_top_k, _DEFAULTS.query_stride
 #: The ``--query-stride`` study's base: every query searching at FastDeploy's top-k 50..60.
 STRIDE_1_TOP_K = PLASConfig.FASTDEPLOY_PREFILL_TOP_K
 CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION,

@@ -64,7 +64,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
-                     progress, require_cuda, round_orders, save_figure, speedup, table, use_method, write_json)
+                     interleaved, progress, require_cuda, save_figure, speedup, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
 
@@ -150,16 +150,14 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
 
 @torch.no_grad()
 def interleaved_ttft(model, ids: torch.Tensor, methods: list[str], rounds: int) -> dict[str, list[float]]:
-    """TTFT of each method in each of ``rounds`` rounds of one generate(max_new_tokens=1) per method, in the
-    orders of :func:`round_orders`: a drift of the host's speed within a round, and what a call pays after another
-    method's, favour none."""
-    seconds = {method: [] for method in methods}
-    for order in round_orders(methods, rounds):
-        for method in order:
-            use_method(model, method)
-            extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
-            seconds[method].append(timed_generate(model, ids, 1, **extra)[0])
-    return seconds
+    """TTFT of each method in each of ``rounds`` balanced rounds (:func:`_common.interleaved`) of one
+    generate(max_new_tokens=1) per method."""
+
+    def first_token(method: str) -> float:
+        extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
+        return timed_generate(model, ids, 1, **extra)[0]
+
+    return interleaved(model, methods, rounds, first_token)
 
 
 @torch.no_grad()

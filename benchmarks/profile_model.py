@@ -52,7 +52,7 @@ import warnings
 import torch
 
 from _common import (add_model_arguments, cache_kwarg, environment, graph_counts, header, load_model,
-                     method_name, progress, require_cuda, round_orders, speedup, table, use_method)
+                     interleaved, method_name, progress, require_cuda, speedup, table, use_method)
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the GPU
 
@@ -191,18 +191,18 @@ def prefill(args, loaded) -> None:
     for method in methods:  # warm-up: kernel compilation
         use_method(model, method)
         forward(model, ids)
-    # Every timed call before any profiling, the methods taking turns in balanced orders: a method's profiling
+
+    def timed(method: str) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        forward(model, ids)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    # Every timed call before any profiling, the methods taking turns in balanced rounds: a method's profiling
     # (torch.profiler, the sync check, cProfile) slowed the host's later calls (timed one method after another, the
     # first ran at 26 ms and the later ones at 34-51 ms; generate(), 2K tokens, H100).
-    walls = {method: [] for method in methods}
-    for order in round_orders(methods, args.repeats):
-        for method in order:
-            use_method(model, method)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            forward(model, ids)
-            torch.cuda.synchronize()
-            walls[method].append((time.perf_counter() - start) * 1e3)
+    walls = interleaved(model, methods, args.repeats, timed)
     rows, details = [], []
     for method in methods:
         use_method(model, method)

@@ -104,6 +104,26 @@ def test_round_orders_balance_predecessors_and_positions(methods):
         assert all(sorted(order[i] for order in square) == sorted(methods) for i in range(count) if square)
 
 
+def test_interleaved_switches_to_each_method_before_its_call_in_round_order(monkeypatch):
+    """Each call runs with the model switched to its own method, the calls in :func:`round_orders`' order, and
+    each method's times come back in its rounds' order."""
+    import _common
+
+    switched, calls = [], []
+    monkeypatch.setattr(_common, "use_method", lambda model, method: switched.append(method))
+
+    def call(method):
+        calls.append(method)
+        assert switched[-1] == method
+        return float(len(calls))
+
+    methods = ["sdpa", "plas", "xattn"]
+    times = _common.interleaved(object(), methods, 4, call)
+    order = [method for round_ in round_orders(methods, 4) for method in round_]
+    assert calls == switched == order
+    assert times == {method: [float(i + 1) for i, m in enumerate(order) if m == method] for method in methods}
+
+
 def test_fidelity_curves_average_each_setting_per_length_over_its_windows():
     """``fidelity_curves.averaged``: one row per (input length, setting), the mean of each number over the windows
     with their range; the same setting at another length stays its own row."""
