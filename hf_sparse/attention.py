@@ -135,7 +135,7 @@ def asks_more_than_sdpa(kwargs: dict[str, Any]) -> bool:
 
 
 #: :func:`known_dense_prefill`'s reasons that hold for every layer of a forward (its shapes and configuration
-#: alone), so that its later layers may reuse the first layer's decision (:func:`_dense_forward`).
+#: alone), so that its later layers may reuse the first layer's decision (:func:`decided_dense`).
 FORWARD_WIDE = ("length", "floor")
 
 
@@ -184,34 +184,25 @@ def _forward_marker(attention_mask: torch.Tensor | None, kwargs: dict[str, Any])
     return position_ids if isinstance(position_ids, torch.Tensor) else None
 
 
-def _dense_forward(module: torch.nn.Module, query: torch.Tensor, key_length: int,
-                   attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool | None:
-    """For a call of the forward in :data:`_DENSE_FORWARD`: whether sdpa takes it without a mask (True) or
-    through :func:`~hf_sparse.dense.dense_attention` (False); None for any other call."""
-    entry = _DENSE_FORWARD[0] if _DENSE_FORWARD else None
-    if entry is None:
-        return None
-    marker = _forward_marker(attention_mask, kwargs)
-    if (marker is None or entry[0]() is not marker or entry[1] is not module.config
-            or entry[2] is not stored_config(module.config) or entry[3] != query.shape or entry[4] != key_length):
-        return None
-    return entry[5]
-
-
 def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, None] | None:
     """The attention of a later layer of a forward whose first layer ran dense for the whole forward
     (:func:`remember_dense_forward`), in the fewest host steps (a prompt of a few thousand tokens is bound by the
     host's time per layer): sdpa straight where the mask holds no padding, else
-    :func:`~hf_sparse.dense.dense_attention`. None for any other call, and while recording (which names each
-    layer's reason)."""
-    if recording():
+    :func:`~hf_sparse.dense.dense_attention`. None for any other call (another forward's, whose marker
+    (:func:`_forward_marker`), model config, method configuration or shapes differ), and while recording (which
+    names each layer's reason)."""
+    entry = _DENSE_FORWARD[0] if _DENSE_FORWARD else None
+    if entry is None:
         return None
-    unmasked = _dense_forward(module, query, key.shape[2], attention_mask, kwargs)
-    if unmasked is None or asks_more_than_sdpa(kwargs):
+    marker = attention_mask if attention_mask is not None else kwargs.get("position_ids")
+    config = module.config
+    if (marker is None or entry[0]() is not marker or entry[1] is not config or entry[3] != query.shape
+            or entry[4] != key.shape[2] or entry[2] is not stored_config(config) or recording()
+            or asks_more_than_sdpa(kwargs)):
         return None
-    if unmasked:
+    if entry[5]:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

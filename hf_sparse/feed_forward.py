@@ -12,7 +12,10 @@ runs
 
 * with a SiLU gate, over the whole input, its activation and product in place in the gate projection's output (where
   no forward hook sees that output): the same launches and the same values as its own forward, two such
-  activations alive instead of three;
+  activations alive instead of three. Where its three projections are plain ``torch.nn.Linear`` modules that no
+  hook watches, they are called as ``torch.nn.functional.linear`` on their own weights, as their forward does, but
+  without four module calls (projections and activation): a prompt of a few thousand tokens is bound by the host's
+  time per layer, which this keeps under the block's own forward's;
 * with another gate (or a hooked gate projection), over slices of the tokens (a dense MLP treats every token alone),
   each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the down projection taken
   over all of it: one such activation alive, in more, smaller launches.
@@ -39,25 +42,31 @@ _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 
 
-#: Each model's feed-forward blocks as (parent, child name, block), from its last walk (:func:`feed_forward_blocks`).
+#: Each model's feed-forward blocks as [parent, child name, block, kept], from its last walk (:func:`_walk`); kept:
+#: (chunk_tokens, the block's children, the forward :func:`swap_in` made for them) or None.
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def feed_forward_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The dense feed-forward blocks of ``model``'s decoder layers that :func:`lean_forward` may run (see the
-    module's description). The walk over the model's modules (about half a millisecond of host time for 30 layers)
-    is kept for the next call while each block found still sits where it was found."""
+def _walk(model: torch.nn.Module) -> list[list[Any]]:
+    """The entries of :data:`_FOUND` for ``model``: its walk over the modules (about half a millisecond of host time
+    for 30 layers) is kept for the next call while each block found still sits where it was found."""
     found = _FOUND.get(model)
-    if found is None or any(parent._modules.get(name) is not block for parent, name, block in found):
+    if found is None or any(parent._modules.get(name) is not block for parent, name, block, _ in found):
         found = []
         for module in model.modules():
             children = module._modules
             if not any(children.get(name) is not None for name in _ATTENTION_NAMES):
                 continue
-            found += [(module, name, children[name]) for name in _FEED_FORWARD_NAMES
+            found += [[module, name, children[name], None] for name in _FEED_FORWARD_NAMES
                       if children.get(name) is not None and "experts" not in children[name]._modules]
         _FOUND[model] = found
-    return [block for _, _, block in found if "forward" not in block.__dict__]
+    return found
+
+
+def feed_forward_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The dense feed-forward blocks of ``model``'s decoder layers that :func:`lean_forward` may run (see the
+    module's description)."""
+    return [entry[2] for entry in _walk(model) if "forward" not in entry[2].__dict__]
 
 
 def _gated_mlp(self, x):  # transformers' gated MLP forward, the code :func:`gated` compares
@@ -119,12 +128,62 @@ def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch
     return output
 
 
+def _plain_projections(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module] | None:
+    """A SiLU-gated MLP's (gate, up, down) projections where each is a ``torch.nn.Linear`` (not a subclass, such as a
+    quantised or adapted layer) that runs its class's forward; else None. (Read from the block's children without
+    attribute lookups: :func:`swap_in` asks this of every block in each prefill.)"""
+    children = block._modules
+    act_fn = children.get("act_fn")
+    if (type(act_fn).__name__ not in SILU_ACTIVATIONS or "forward" in act_fn.__dict__ or not gated(type(block))):
+        return None
+    projections = (children.get("gate_proj"), children.get("up_proj"), children.get("down_proj"))
+    for linear in projections:
+        if type(linear) is not torch.nn.Linear or "forward" in linear.__dict__ or "weight" not in linear._parameters:
+            return None
+    return projections
+
+
+def _unwatched(modules: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether no forward hook (global, or of one of ``modules``) would see a call of ``modules``."""
+    hooks = torch.nn.modules.module
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or any(module._forward_hooks or module._forward_pre_hooks for module in modules))
+
+
+def direct_forward(block: torch.nn.Module, chunk_tokens: int, projections: tuple[torch.nn.Module, ...],
+                   hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A SiLU-gated MLP's forward with its plain projections (:func:`_plain_projections`) called as
+    ``torch.nn.functional.linear`` and its gate in place: :func:`lean_forward`'s ops and values, without the module
+    calls. Calls with gradients or more arguments, and projections a hook watches, go to :func:`lean_forward`."""
+    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or torch.is_grad_enabled()
+            or not _unwatched(projections)):
+        return lean_forward(block, chunk_tokens, hidden_states, *args, **kwargs)
+    gate, up, down = (linear._parameters for linear in projections)
+    product = torch.nn.functional.linear(hidden_states, gate["weight"], gate.get("bias"))
+    torch.nn.functional.silu(product, inplace=True)
+    product.mul_(torch.nn.functional.linear(hidden_states, up["weight"], up.get("bias")))
+    return torch.nn.functional.linear(product, down["weight"], down.get("bias"))
+
+
 def swap_in(model: torch.nn.Module, chunk_tokens: int) -> list[torch.nn.Module]:
-    """Make ``model``'s :func:`feed_forward_blocks` run :func:`lean_forward` (slices of ``chunk_tokens`` tokens) until
-    :func:`swap_out`; the blocks swapped."""
-    blocks = feed_forward_blocks(model)
-    for block in blocks:
-        block.__dict__["forward"] = functools.partial(lean_forward, block, chunk_tokens)
+    """Make ``model``'s :func:`feed_forward_blocks` run :func:`lean_forward` (slices of ``chunk_tokens`` tokens), or
+    :func:`direct_forward` where it applies, until :func:`swap_out`; the blocks swapped. Each block's forward is
+    made once and kept for the next prefill while the block's children are the same objects, none with a forward
+    of its own (a prompt of a few thousand tokens is bound by the host's time)."""
+    blocks = []
+    for entry in _walk(model):
+        block, kept = entry[2], entry[3]
+        if "forward" in block.__dict__:
+            continue
+        children = tuple(block._modules.values())
+        if (kept is None or kept[0] != chunk_tokens or kept[1] != children
+                or any("forward" in child.__dict__ for child in children)):
+            projections = _plain_projections(block)
+            forward = (functools.partial(lean_forward, block, chunk_tokens) if projections is None
+                       else functools.partial(direct_forward, block, chunk_tokens, projections))
+            kept = entry[3] = (chunk_tokens, children, forward)
+        block.__dict__["forward"] = kept[2]
+        blocks.append(block)
     return blocks
 
 

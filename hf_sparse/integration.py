@@ -99,8 +99,8 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
     if implementation not in graphs.GRAPH_METHODS:
         return None
     config = method_config(model.config, implementation)
-    device = getattr(model, "device", torch.device("cpu"))
-    if not config.decode_cuda_graph or device.type != "cuda":
+    weight = next(model.parameters(), None)  # a tensor on the model's device (no allocation per call)
+    if not config.decode_cuda_graph or weight is None or weight.device.type != "cuda":
         return None
     if graphs.window_layers(model.config):
         if not _WINDOW_NOTED:
@@ -108,8 +108,7 @@ def _graph_cache_length(model: PreTrainedModel, generation_config: Any, args: tu
             logger.info("hf_sparse: %s has sliding-window layers (dense inside their window, on the host's length): "
                         "generate() decodes without CUDA graphs", type(model).__name__)
         return None
-    weight = next(model.parameters(), None)  # a tensor on the model's device (no allocation per call)
-    if weight is None or kernels.backend_for(weight) != "triton":
+    if kernels.backend_for(weight) != "triton":
         return None
     return _static_cache_length(generation_config, args, kwargs)
 

@@ -7,28 +7,54 @@ import torch
 
 from .selection import RowLayout
 
-#: The last 2D mask's layout, one tuple (mask weakref, key, row layout, left-padded): every layer of a forward
-#: gets the same mask tensor, so its host read (the left-padding check and the starts' range) happens once per
-#: forward, not once per layer (each read is a host sync, which on small models costs more than the attention).
+#: The last 2D mask's layout, one tuple (mask weakref, key, row layout or None, left-padded or None, no padding):
+#: every layer of a forward gets the same mask tensor, so its host read (the left-padding check and the starts'
+#: range) happens once per forward, not once per layer (each read is a host sync, which on small models costs more
+#: than the attention). A mask known only to hold padding has no layout yet (:func:`holds_no_padding`).
 #: One tuple, replaced whole: threads running other models read either entry, never a mix.
 _LAST_LAYOUT: list[tuple] = []
+
+
+def _memo(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple | None:
+    entry = _LAST_LAYOUT[0] if _LAST_LAYOUT else None
+    if entry is None or entry[0]() is not attention_mask or entry[1] != (attention_mask._version, key_length, device):
+        return None
+    return entry
+
+
+def _remember(attention_mask: torch.Tensor, key_length: int, device: torch.device, rows: RowLayout | None,
+              left_padded: bool | None, unpadded: bool) -> None:
+    key = (attention_mask._version, key_length, device)
+    _LAST_LAYOUT[:] = [(weakref.ref(attention_mask), key, rows, left_padded, unpadded)]
 
 
 def mask_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[RowLayout, bool]:
     """(row layout, whether the mask is left padding only) of a 2D mask, memoised on the mask tensor (identity
     and version)."""
-    key = (attention_mask._version, key_length, device)
-    entry = _LAST_LAYOUT[0] if _LAST_LAYOUT else None
-    if entry is None or entry[0]() is not attention_mask or entry[1] != key:
-        entry = (weakref.ref(attention_mask), key, *read_layout(attention_mask, key_length, device))
-        _LAST_LAYOUT[:] = [entry]
+    entry = _memo(attention_mask, key_length, device)
+    if entry is None or entry[2] is None:
+        rows, left_padded = read_layout(attention_mask, key_length, device)
+        _remember(attention_mask, key_length, device, rows, left_padded, left_padded and rows.high == 0)
+        return rows, left_padded
     return entry[2], entry[3]
 
 
 def holds_no_padding(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> bool:
-    """Whether a 2D mask masks no slot of the last ``key_length`` (from :func:`mask_layout`'s memo)."""
-    rows, left_padded = mask_layout(attention_mask, key_length, device)
-    return left_padded and rows.high == 0
+    """Whether a 2D mask masks no slot of the last ``key_length``, memoised as :func:`mask_layout`. Asked first, it
+    reads one value (one launch, the host read): a mask without padding then has its layout too (every row from
+    slot 0), without :func:`read_layout`'s launches (a prompt of a few thousand tokens is bound by the host's time)."""
+    entry = _memo(attention_mask, key_length, device)
+    if entry is not None:
+        return entry[4]
+    unpadded = read_unpadded(attention_mask, key_length)
+    rows = RowLayout.uniform(attention_mask.shape[0], device) if unpadded else None
+    _remember(attention_mask, key_length, device, rows, True if unpadded else None, unpadded)
+    return unpadded
+
+
+def read_unpadded(attention_mask: torch.Tensor, key_length: int) -> bool:
+    """:func:`holds_no_padding` without the memo: one host read."""
+    return bool(attention_mask[:, -key_length:].all())
 
 
 def read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple[RowLayout, bool]:

@@ -70,12 +70,14 @@ def test_right_padding_is_rejected():
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense-fallback"])
 def test_padding_layout_is_read_once_per_forward(monkeypatch, dense):
     """Every layer gets the same mask: its host read (a sync on CUDA) happens once per forward, and the
-    outputs stay those of sdpa for the padded batch."""
+    outputs stay those of sdpa for the padded batch. A forward that runs dense reads whether the mask holds padding
+    (one value), a sparse one its layout."""
     from hf_sparse import padding
 
     reads = []
-    read_layout = padding.read_layout
-    monkeypatch.setattr(padding, "read_layout", lambda *args: reads.append(1) or read_layout(*args))
+    read_layout, read_unpadded = padding.read_layout, padding.read_unpadded
+    monkeypatch.setattr(padding, "read_layout", lambda *args: reads.append("layout") or read_layout(*args))
+    monkeypatch.setattr(padding, "read_unpadded", lambda *args: reads.append("unpadded") or read_unpadded(*args))
     config = tiny_config("llama", 6, 2)
     model, reference_model = build(config, "plas"), build(config, "sdpa")
     hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, prefill_top_k=(10_000, 10_000),
@@ -89,7 +91,33 @@ def test_padding_layout_is_read_once_per_forward(monkeypatch, dense):
             torch.testing.assert_close(model(ids, attention_mask=attention_mask).logits,
                                        reference_model(ids, attention_mask=attention_mask).logits,
                                        atol=2e-5, rtol=1e-4)
-            assert len(reads) == 1, f"{len(reads)} host reads of the mask for {config.num_hidden_layers} layers"
+            assert reads == ["unpadded" if dense else "layout"], f"host reads of the mask: {reads}"
+
+
+def test_a_mask_without_padding_has_its_layout_from_one_value(monkeypatch):
+    """holds_no_padding reads one value of a mask (memoised like mask_layout): a mask without padding then has its
+    layout (every row from slot 0) with no other read; a padded one's layout is read when asked for, once."""
+    from hf_sparse import padding
+
+    reads = []
+    read_layout, read_unpadded = padding.read_layout, padding.read_unpadded
+    monkeypatch.setattr(padding, "read_layout", lambda *args: reads.append("layout") or read_layout(*args))
+    monkeypatch.setattr(padding, "read_unpadded", lambda *args: reads.append("unpadded") or read_unpadded(*args))
+    cpu = torch.device("cpu")
+    mask = torch.ones(2, 10, dtype=torch.long)
+    assert padding.holds_no_padding(mask, 10, cpu) and reads == ["unpadded"]
+    rows, left_padded = padding.mask_layout(mask, 10, cpu)
+    assert reads == ["unpadded"] and left_padded and (rows.low, rows.high) == (0, 0) and rows.starts.tolist() == [0, 0]
+    padded = mask.clone()
+    padded[1, :3] = 0
+    assert not padding.holds_no_padding(padded, 10, cpu) and reads == ["unpadded"] * 2
+    rows, left_padded = padding.mask_layout(padded, 10, cpu)
+    assert reads[-1] == "layout" and left_padded and (rows.low, rows.high) == (0, 3) and rows.starts.tolist() == [0, 3]
+    assert not padding.holds_no_padding(padded, 10, cpu) and padding.mask_layout(padded, 10, cpu)[0] is rows
+    assert len(reads) == 3
+    assert padding.holds_no_padding(padded, 7, cpu)  # its last 7 slots
+    padded[0, 0] = 0  # written in place: read again
+    assert not padding.holds_no_padding(padded, 10, cpu) and reads[-1] == "unpadded" and len(reads) == 5
 
 
 def test_beam_search_with_sparse_cache():

@@ -1,5 +1,6 @@
 """A generate() prefill's feed-forward blocks hold fewer activations (hf_sparse.feed_forward)."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, MixtralConfig
 
 import hf_sparse
-from hf_sparse.feed_forward import lean_forward, feed_forward_blocks, gated
+from hf_sparse.feed_forward import direct_forward, feed_forward_blocks, gated, lean_forward, swap_in, swap_out
 
 from conftest import build, tiny_config
 
@@ -159,6 +160,60 @@ def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
     assert ("silu_", (1, 100, 64)) not in hooked.ops and len(seen) == 7  # sliced: the hook's outputs untouched
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat(seen, dim=1), block.gate_proj(x), rtol=1e-6, atol=1e-6)
+
+
+def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeypatch):
+    """Swapped in, a SiLU-gated MLP whose projections are plain ``nn.Linear`` modules runs their weights through
+    ``F.linear``: lean_forward's ops and values, and no module call. A hook on a projection, gradients, or a
+    projection of another class or with a forward of its own take lean_forward's path, which calls the modules;
+    swap_out restores the block, and the next swap_in takes the forward it made while the block's parts stay."""
+    model = build(tiny_config("llama", layers=2), "sdpa")
+    block = model.model.layers[0].mlp
+    hidden, intermediate = block.gate_proj.in_features, block.gate_proj.out_features
+    x = torch.randn(2, 37, hidden)
+    calls = []
+    linear_forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(self) or linear_forward(self, x))
+    with torch.no_grad():
+        expected = block(x)
+        with _Ops() as lean:
+            assert torch.equal(lean_forward(block, 16, x), expected)
+        blocks = swap_in(model, 16)
+        assert block.forward.func is direct_forward
+        calls.clear()
+        with _Ops() as direct:
+            assert torch.equal(block(x), expected)
+        assert calls == [] and direct.ops == lean.ops
+        seen = []
+        handle = block.down_proj.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        assert torch.equal(block(x), expected)
+        assert seen == [(2, 37, hidden)] and len(calls) == 3
+        handle.remove()
+    calls.clear()
+    torch.testing.assert_close(block(x), expected, rtol=1e-6, atol=1e-6)  # with gradients: lean_forward's slices,
+    assert len(calls) == 5 * 3  # 5 of at most 8 positions (16 tokens over a batch of 2), 3 projections each
+    made = block.forward
+    swap_out(blocks)
+    assert "forward" not in block.__dict__
+    assert swap_in(model, 16) == blocks and block.forward is made  # kept for the next prefill
+    swap_out(blocks)
+    block.up_proj.forward = functools.partial(torch.nn.Linear.forward, block.up_proj)  # (another library's hook)
+    swap_in(model, 16)
+    assert block.forward.func is lean_forward
+    swap_out(blocks)
+    del block.up_proj.forward
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    adapted = Adapted(hidden, intermediate, bias=False)
+    adapted.load_state_dict(block.up_proj.state_dict())
+    block.up_proj = adapted
+    swap_in(model, 16)
+    assert block.forward.func is lean_forward and model.model.layers[1].mlp.forward.func is direct_forward
+    with torch.no_grad():
+        assert torch.equal(block(x), expected)
+    swap_out(blocks)
 
 
 def test_lean_forward_runs_whole_inputs_it_cannot_slice():
