@@ -134,7 +134,7 @@ def _plain_projections(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     attribute lookups: :func:`swap_in` asks this of every block in each prefill.)"""
     children = block._modules
     act_fn = children.get("act_fn")
-    if (type(act_fn).__name__ not in SILU_ACTIVATIONS or "forward" in act_fn.__dict__ or not gated(type(block))):
+    if type(act_fn).__name__ not in SILU_ACTIVATIONS or "forward" in act_fn.__dict__ or not gated(type(block)):
         return None
     projections = (children.get("gate_proj"), children.get("up_proj"), children.get("down_proj"))
     for linear in projections:

@@ -16,6 +16,7 @@ _LAST_LAYOUT: list[tuple] = []
 
 
 def _memo(attention_mask: torch.Tensor, key_length: int, device: torch.device) -> tuple | None:
+    """The :data:`_LAST_LAYOUT` entry of this mask (the same tensor, unchanged since) and call, or None."""
     entry = _LAST_LAYOUT[0] if _LAST_LAYOUT else None
     if entry is None or entry[0]() is not attention_mask or entry[1] != (attention_mask._version, key_length, device):
         return None
@@ -24,6 +25,7 @@ def _memo(attention_mask: torch.Tensor, key_length: int, device: torch.device) -
 
 def _remember(attention_mask: torch.Tensor, key_length: int, device: torch.device, rows: RowLayout | None,
               left_padded: bool | None, unpadded: bool) -> None:
+    """Make this mask's entry the :data:`_LAST_LAYOUT` one."""
     key = (attention_mask._version, key_length, device)
     _LAST_LAYOUT[:] = [(weakref.ref(attention_mask), key, rows, left_padded, unpadded)]
 
