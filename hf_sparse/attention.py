@@ -190,13 +190,13 @@ def decided_dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     """The attention of a later layer of a forward whose first layer ran dense for the whole forward
     (:func:`remember_dense_forward`), in the fewest host steps (a prompt of a few thousand tokens is bound by the
     host's time per layer): sdpa straight where the mask holds no padding, else
-    :func:`~hf_sparse.dense.dense_attention`. None for any other call (another forward's, whose marker
-    (:func:`_forward_marker`), model config, method configuration or shapes differ), and while recording (which
+    :func:`~hf_sparse.dense.dense_attention`. None for any other call (another forward's: its
+    :func:`_forward_marker`, model config, method configuration or shapes differ), and while recording (which
     names each layer's reason)."""
     entry = _DENSE_FORWARD[0] if _DENSE_FORWARD else None
     if entry is None:
         return None
-    marker = attention_mask if attention_mask is not None else kwargs.get("position_ids")
+    marker = _forward_marker(attention_mask, kwargs)
     config = module.config
     if (marker is None or entry[0]() is not marker or entry[1] is not config or entry[3] != query.shape
             or entry[4] != key.shape[2] or entry[2] is not stored_config(config) or recording()

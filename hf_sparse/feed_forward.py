@@ -82,11 +82,16 @@ def gated(block_class: type) -> bool:
                                     for name in ("co_code", "co_names", "co_varnames", "co_argcount", "co_consts"))
 
 
+def _silu(act_fn: Any) -> bool:
+    """Whether a gated MLP's activation module computes SiLU with its class's forward."""
+    return type(act_fn).__name__ in SILU_ACTIVATIONS and "forward" not in act_fn.__dict__
+
+
 def _silu_in_place(block: torch.nn.Module) -> bool:
     """Whether a gated MLP's gate is SiLU and its gate projection's output may be overwritten: no forward hook sees
     that output (a probe that keeps it would find it changed)."""
-    return (type(block.act_fn).__name__ in SILU_ACTIVATIONS and "forward" not in block.act_fn.__dict__
-            and not block.gate_proj._forward_hooks and not torch.nn.modules.module._global_forward_hooks)
+    return (_silu(block.act_fn) and not block.gate_proj._forward_hooks
+            and not torch.nn.modules.module._global_forward_hooks)
 
 
 def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch.Tensor, *args: Any,
@@ -133,8 +138,7 @@ def _plain_projections(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     quantised or adapted layer) that runs its class's forward; else None. (Read from the block's children without
     attribute lookups: :func:`swap_in` asks this of every block in each prefill.)"""
     children = block._modules
-    act_fn = children.get("act_fn")
-    if type(act_fn).__name__ not in SILU_ACTIVATIONS or "forward" in act_fn.__dict__ or not gated(type(block)):
+    if not _silu(children.get("act_fn")) or not gated(type(block)):
         return None
     projections = (children.get("gate_proj"), children.get("up_proj"), children.get("down_proj"))
     for linear in projections:
