@@ -1,6 +1,7 @@
 """SparseCache: a transformers Cache whose layers keep K/V in chunk-grown block storage plus per-block key summaries."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,9 +24,39 @@ CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "past_key_values")))
 #: CUDA graphs (:mod:`hf_sparse.graphs`), so a longer write (a prefill) never asks whether a capture is under way.
 DECODE_MAX_QUERY = 16
 
-#: Attribute set on the key view returned by :meth:`SparseCacheLayer.update`, so the attention function can
-#: reach the layer (transformers does not pass the cache object to attention functions).
-LAYER_ATTR = "_hf_sparse_layer"
+#: The keyword argument under which the attention function receives the :class:`SparseCacheLayer` that holds its
+#: keys. transformers (5.24 on) hands the attention call's keyword arguments to ``Cache.update`` (``kwargs=``), and
+#: the layer adds itself there (:func:`hand_over`); transformers does not pass the cache to attention functions.
+LAYER_KWARG = "hf_sparse_layer"
+
+#: Releases before 5.24 call ``Cache.update`` without the attention's keyword arguments: the layer that just
+#: returned its keys waits here, as weak references (layer, keys), for the attention call that receives those keys
+#: (:func:`cache_layer_of`), which takes it.
+_HANDED_OVER: list[tuple[weakref.ref, weakref.ref]] = []
+
+
+def hand_over(layer: "SparseCacheLayer", keys: torch.Tensor, update_kwargs: dict[str, Any]) -> None:
+    """Give ``layer`` to the attention call that receives ``keys``: in its keyword arguments where transformers
+    passes them to the cache update (``kwargs=``), else through :data:`_HANDED_OVER`."""
+    attention_kwargs = update_kwargs.get("kwargs")
+    if isinstance(attention_kwargs, dict):
+        attention_kwargs[LAYER_KWARG] = layer
+        _HANDED_OVER.clear()
+    else:
+        _HANDED_OVER[:] = [(weakref.ref(layer), weakref.ref(keys))]
+
+
+def cache_layer_of(key: torch.Tensor, attention_kwargs: dict[str, Any]) -> "SparseCacheLayer | None":
+    """The SparseCache layer holding an attention call's ``key`` (taken out of its keyword arguments, or the one
+    :func:`hand_over` left for exactly these keys), None without one."""
+    layer = attention_kwargs.pop(LAYER_KWARG, None)
+    if layer is not None or not _HANDED_OVER:
+        return layer
+    layer_ref, keys_ref = _HANDED_OVER[0]
+    if keys_ref() is not key:
+        return None
+    _HANDED_OVER.clear()
+    return layer_ref()
 
 
 def _check_max_cache_len(max_cache_len: int | None) -> int | None:
@@ -221,10 +252,18 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.quantized:
             self.key_scales = self.key_scale_storage[:, :, : self.length]
             self.value_scales = self.value_scale_storage[:, :, : self.length]
-        setattr(self._keys, LAYER_ATTR, self)
         return self._keys, self._values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy), and hands this layer to
+        the attention call that receives them (:func:`hand_over`)."""
+        if torch.compiler.is_compiling():  # host state (lengths, growth): outside a compiled graph
+            return _eager_update(self, key_states, value_states, *args, **kwargs)
+        keys, values = self.append(key_states, value_states)
+        hand_over(self, keys, kwargs)
+        return keys, values
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -263,7 +302,6 @@ class SparseCacheLayer(CacheLayerMixin):
             self._values = self.value_storage.narrow(2, 0, new_length)
             self._keys.copy_(key_states)
             self._values.copy_(value_states)
-            setattr(self._keys, LAYER_ATTR, self)
             return self._keys, self._values
         else:
             self.key_storage.narrow(2, self.length, key_states.shape[2]).copy_(key_states)
@@ -437,6 +475,12 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         return None
+
+
+@torch.compiler.disable
+def _eager_update(layer: SparseCacheLayer, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`SparseCacheLayer.update` run eagerly from a compiled forward (a graph break)."""
+    return layer.update(*args, **kwargs)
 
 
 class SparseCache(Cache):

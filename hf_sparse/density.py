@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from . import kernels
+from .kernels import reference
 from .selection import BlockSelection, RowLayout
 
 #: Where the density fallback applies, a prefill of at least ``4 * PROBE_QUERIES`` queries first selects for
@@ -38,19 +39,20 @@ def probe_runs(num_queries: int, sample: int, align: int) -> list[tuple[int, int
 
 
 def probe_density(select: Callable[..., BlockSelection], query: torch.Tensor, key: torch.Tensor,
-                  key_scale: torch.Tensor | None, q_offset: int, rows: RowLayout, sample: int, align: int) -> float:
-    """Attended / causal blocks of ``select``'s selections for the :func:`probe_runs` of a prefill's ``query``
-    (keys ``key`` ending at its last query, ``q_offset`` the first query's slot), as one density (one
-    device-to-host read). ``select(query, key, key_scale, q_offset)`` selects for a run, its keys cut at the run's
-    end."""
-    counts = []
+                  key_scale: torch.Tensor | None, q_offset: int, rows: RowLayout, sample: int, align: int) -> torch.Tensor:
+    """Each row's attended / causal blocks of ``select``'s selections for the :func:`probe_runs` of a prefill's
+    ``query`` (keys ``key`` ending at its last query, ``q_offset`` the first query's slot): float ``[B]`` on the
+    host (one device-to-host read). ``select(query, key, key_scale, q_offset)`` selects for a run, its keys cut at
+    the run's end."""
+    attended = causal = None
     for first, size in probe_runs(query.shape[2], sample, align):
         end = q_offset + first + size
         run_scale = key_scale[:, :, :end] if key_scale is not None else None
         selection = select(query[:, :, first:first + size], key[:, :, :end], run_scale, q_offset + first)
-        counts.extend(block_counts(selection, size, q_offset + first, rows))
-    attended, causal = torch.stack(counts).view(-1, 2).sum(0).tolist()
-    return attended / max(causal, 1)
+        run_attended, run_causal = row_block_counts(selection, size, q_offset + first, rows)
+        attended = run_attended if attended is None else attended + run_attended
+        causal = run_causal if causal is None else causal + run_causal
+    return _ratio(attended, causal)
 
 
 def probe_threshold(dense_above_density: float, selection_share: float) -> float:
@@ -97,24 +99,32 @@ def falls_back_by_density(query: torch.Tensor) -> bool:
     return query.is_cuda and kernels.backend_for(query) == "triton"
 
 
+def row_block_counts(selection: BlockSelection, num_queries: int, q_offset: int,
+                     rows: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attended, causal) blocks of each row (int64 ``[B]`` device tensors, summed over heads and tiles); causal =
+    row blocks up to each tile's last real query."""
+    last_block = reference.tile_last_blocks(selection.num_query_tiles, selection.query_tile, num_queries, q_offset,
+                                            rows.starts, selection.block_size)
+    causal = (last_block + 1).sum(-1) * selection.num_heads
+    return selection.counts.sum((1, 2), dtype=torch.int64), causal
+
+
 def block_counts(selection: BlockSelection, num_queries: int, q_offset: int,
                  rows: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attended, causal) block totals as device scalars; causal = row blocks up to each tile's last real query."""
-    kv_start = rows.starts
-    pad_q = (kv_start - q_offset).clamp(0, num_queries)
-    tiles = torch.arange(selection.num_query_tiles, device=kv_start.device)
-    last_query = torch.minimum(pad_q[:, None] + (tiles[None, :] + 1) * selection.query_tile,
-                               torch.full_like(pad_q[:, None], num_queries)) - 1
-    has_query = last_query >= pad_q[:, None] + tiles[None, :] * selection.query_tile
-    last_block = torch.div(q_offset + last_query - kv_start[:, None], selection.block_size, rounding_mode="floor")
-    causal = torch.where(has_query, last_block + 1, torch.zeros_like(last_block)).clamp_min(0)
-    return selection.counts.sum(), causal.sum() * selection.num_heads
+    """(attended, causal) block totals over the batch as device scalars (:func:`row_block_counts`)."""
+    attended, causal = row_block_counts(selection, num_queries, q_offset, rows)
+    return attended.sum(), causal.sum()
 
 
-def selection_density(selection: BlockSelection, num_queries: int, q_offset: int, rows: RowLayout) -> float:
-    """Attended / causal blocks of a selection (one device-to-host read)."""
-    attended, causal = torch.stack(block_counts(selection, num_queries, q_offset, rows)).tolist()
-    return attended / max(causal, 1)
+def row_densities(selection: BlockSelection, num_queries: int, q_offset: int, rows: RowLayout) -> torch.Tensor:
+    """Each row's attended / causal blocks, float ``[B]`` on the host (one device-to-host read)."""
+    return _ratio(*row_block_counts(selection, num_queries, q_offset, rows))
+
+
+def _ratio(attended: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """attended / causal per row, read to the host in one transfer (a row with no causal block: 0)."""
+    both = torch.stack([attended, causal]).cpu().double()
+    return both[0] / both[1].clamp_min(1)
 
 
 @dataclass(frozen=True)

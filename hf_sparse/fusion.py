@@ -33,6 +33,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import kernels
+from .cache import SparseCache
 from .feed_forward import SILU_ACTIVATIONS
 from .kernels._common import DECODE_LINEAR_MAX_ROWS
 
@@ -243,7 +244,9 @@ def fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *ar
     query, key, value = (part.view(batch, steps, -1, head_dim).transpose(1, 2) for part in qkv.split(sizes, dim=-1))
     if rotary is None:
         query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
-    key, value = cache.update(key, value, attention.layer_idx)
+    # A SparseCache adds the layer holding the keys to the attention's keyword arguments
+    update_kwargs = {"kwargs": passed} if isinstance(cache, SparseCache) else {}
+    key, value = cache.update(key, value, attention.layer_idx, **update_kwargs)
     function = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
     output, _ = function(attention, query, key, value, kwargs.get("attention_mask"), dropout=0.0,
                          scaling=attention.scaling, **passed)

@@ -68,6 +68,16 @@ def read_layout(attention_mask: torch.Tensor, key_length: int, device: torch.dev
     return RowLayout(kv_start.to(device), int(low), int(high)), bool(left_padded)
 
 
+def row_layout(attention_mask: torch.Tensor | None, batch: int, key_length: int,
+               device: torch.device) -> RowLayout | None:
+    """The rows' left-padding layout from the 2D mask (no padding when there is no mask), or None when the mask is
+    not left padding (masked slots after unmasked ones: right padding), memoised as :func:`mask_layout`."""
+    if attention_mask is None:
+        return RowLayout.uniform(batch, device)
+    rows, left_padded = mask_layout(attention_mask, key_length, device)
+    return rows if left_padded else None
+
+
 def padding_layout(attention_mask: torch.Tensor | None, batch: int, key_length: int, device: torch.device,
                    validate: bool) -> RowLayout:
     """The rows' left-padding layout from the 2D mask (no padding when there is no mask); shared by the layers

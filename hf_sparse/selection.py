@@ -60,6 +60,15 @@ class BlockSelection:
         indices = torch.empty_like(selected_before).scatter_(-1, target.long(), torch.where(block_mask, ids, -1))
         return cls(indices=indices, counts=counts, block_size=block_size, query_tile=query_tile)
 
+    def with_full_rows(self, full_rows: torch.Tensor, last_block: torch.Tensor, num_blocks: int) -> "BlockSelection":
+        """This selection with every causal block in the batch rows of ``full_rows`` (bool ``[B]``): tile ``t`` of
+        row ``b`` gets blocks ``0..last_block[b, t]`` (``[B, T]``; -1: none), what dense attention reads. Device
+        ops only (a CUDA graph can replay them); the result is ``num_blocks`` wide."""
+        causal = torch.arange(num_blocks, device=last_block.device)[None, None, :] <= last_block[..., None]
+        mask = torch.where(full_rows.to(causal.device)[:, None, None, None], causal[:, None],
+                           self.to_mask(num_blocks))
+        return BlockSelection.from_mask(mask, block_size=self.block_size, query_tile=self.query_tile)
+
     def to_mask(self, num_blocks: int) -> torch.Tensor:
         """Boolean ``[B, H, T, num_blocks]`` mask of the selected blocks."""
         mask = torch.zeros(*self.counts.shape, num_blocks + 1, dtype=torch.bool, device=self.counts.device)

@@ -31,13 +31,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import distributed, kernels
-from .attention import (DECODE_MAX_QUERY, SUPPORTED_DTYPES, all_blocks_decode, asks_more_than_sdpa, call_phase,
-                        check_supported, decided_dense, method_config, remember_dense_forward, static_decode)
+from . import plan
+from .attention import DECODE_MAX_QUERY, all_blocks_decode, forward_dense_attention, method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
-from .padding import padding_layout
+from .padding import padding_layout, row_layout
 from .recording import LayerRecord, record, recording
-from .cache import CACHE_KWARG, CACHE_KWARGS, LAYER_ATTR, SparseCacheLayer
+from .cache import CACHE_KWARG, CACHE_KWARGS, SparseCacheLayer, cache_layer_of, hand_over
 from .config import StarConfig
 from .methods.star import StarMethod
 from .selection import RowLayout
@@ -45,8 +45,7 @@ from .selection import RowLayout
 logger = logging.getLogger(__name__)
 
 #: Recorded phase names (``record_sparsity``): context encoding and query/generation.
-CONTEXT_PHASE, QUERY_PHASE = "context", "query"
-_GLOBAL = "global attention (query phase)"
+CONTEXT_PHASE, QUERY_PHASE, GLOBAL = plan.CONTEXT_PHASE, plan.QUERY_PHASE, plan.GLOBAL
 
 
 @dataclass
@@ -91,47 +90,44 @@ def star_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """attn_implementation="star".
+    """attn_implementation="star": the plan of :func:`hf_sparse.plan.plan_star`, executed.
 
     Without :func:`generate` around it, a call without a past (``key_length == query_length``) is a prompt: its
     last ``config.query_tokens`` tokens are the query, the rest the context; a call with a past is all query
     (generation). Contexts shorter than ``config.dense_threshold``, contexts whose pattern keeps more than
-    ``config.dense_above_density`` of the causal blocks (one process) and ``dense_layers`` run dense (sdpa).
+    ``config.dense_above_density`` of the causal blocks (one process) and ``dense_layers`` run dense (sdpa); so do
+    masks that are not left padding and 4D masks.
     """
-    decided = decided_dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
-    if decided is not None:  # a later layer of a prompt that the first layer found shorter than dense_below
-        return decided
-    batch, q_heads, num_queries, head_dim = query.shape
-    key_length = key.shape[2]
-    check_supported(kwargs, key_length, implementation="star")  # softcap, s_aux, windows: refused by name
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"hf_sparse attention supports float32/float16/bfloat16, got {query.dtype}")
-    layer = getattr(key, LAYER_ATTR, None)
+    if torch.compiler.is_compiling():  # a compiled model's forward: this call runs eagerly (a graph break)
+        return _eager_star(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    layer = cache_layer_of(key, kwargs)
+    unmasked = plan.forward_dense(module, query, key.shape[2], attention_mask, kwargs)
+    if unmasked is not None:  # a later layer of a prompt that the first layer found shorter than dense_below
+        return forward_dense_attention(module, query, key, value, attention_mask, dropout, scaling, unmasked, kwargs)
+    run = _RUN.get()
+    config = run.config if run is not None else method_config(module.config, "star")
+    call = plan.Call("star", config, module, query, key, attention_mask, layer, kwargs, dropout)
+    decided = plan.plan_star(call, run)
     cache_layer = layer if key.dtype == torch.int8 else None
     if key.dtype == torch.int8 and cache_layer is None:
         raise TypeError("int8 keys reach the Star attention only from an int8 SparseCache (it holds their scales)")
-    if (cache_layer is not None or getattr(layer, "static", False)) and layer.row_layout is None:
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    logn_base = logn_base_for(config, module.config)
+    if decided.path == plan.ALL_BLOCKS:  # generation over a static cache (CUDA-graph decode)
+        _record_dense(call.layer_idx, decided.phase, decided.reason)
+        return all_blocks_decode(query, layer, scale, logn_base, {}), None
+    rows = None
+    if attention_mask is None or attention_mask.dim() == 2:
+        rows = row_layout(attention_mask, query.shape[0], call.key_length, query.device)
+    if rows is not None and (cache_layer is not None or getattr(layer, "static", False)) \
+            and layer.row_layout is None:
         # The padding picks the int8 values' layout; a static layer keeps it for its decode steps.
-        layer.set_padding(padding_layout(attention_mask, batch, key.shape[2], query.device, validate=False))
+        layer.set_padding(rows)
         if cache_layer is not None:
             value = cache_layer.values
-    if not getattr(module, "is_causal", True):
-        raise NotImplementedError("Star attention supports causal (decoder) attention only")
-    run = _RUN.get()
-    config = run.config if run is not None else method_config(module.config, "star")
-    layer_idx = getattr(module, "layer_idx", 0)
-    num_layers = getattr(module.config, "num_hidden_layers", layer_idx + 1)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    logn_base = logn_base_for(config, module.config)
-    phase = call_phase(num_queries, key_length)
-    if run is None and not dropout and static_decode(phase, layer, config.kernel_block_size, query):
-        # Generation over a static cache (CUDA-graph decode): global attention over every block, lengths and
-        # logN positions read on the device.
-        _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
-        return all_blocks_decode(query, layer, scale, logn_base, {}), None
     if logn_base is not None:  # a positive factor per query: the same in every phase, kernel and rank
         # by true positions (the model's position_ids): global ones on every rank
-        query = logn_scaled(query, attention_mask, key_length, logn_base, kwargs.get("position_ids"))
+        query = logn_scaled(query, attention_mask, call.key_length, logn_base, kwargs.get("position_ids"))
     if run is not None:
         run.calls += 1
         if run.sharded and run.phase == QUERY_PHASE:
@@ -139,47 +135,38 @@ def star_attention_forward(
                 raise NotImplementedError("sharded Star attention keeps its own float KV cache, not an int8 one")
             if dropout:
                 raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
-            return _sharded_query_attention(run, query, key, value, scale, layer_idx)
-
-    if run is not None:
-        context_queries = num_queries if run.phase == CONTEXT_PHASE else 0
-        context_length, prefix = run.context_length, run.prefix_tokens
-    else:
-        context_queries = max(0, num_queries - config.query_tokens) if key_length == num_queries else 0
-        context_length, prefix = context_queries, 0
+            return _sharded_query_attention(run, query, key, value, scale, call.layer_idx)
 
     def global_attention(queries: torch.Tensor) -> torch.Tensor:
         return _global_attention(module, config, queries, key, value, attention_mask, cache_layer, dropout, scaling,
                                  scale, **kwargs)
 
-    reason = None
-    if context_queries == 0:
-        _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
-        return global_attention(query), None
-    short = context_length < config.dense_threshold(CONTEXT_PHASE)
-    if config.is_dense_layer(layer_idx, num_layers):
-        reason = "dense_layers"
-    elif short:
-        reason = f"context {context_length} < dense_below {config.dense_threshold(CONTEXT_PHASE)}"
-    elif config.dense_above_density is not None and not (run is not None and run.sharded):
-        density = StarMethod(config).context_density(context_queries)
-        if density > config.dense_above_density:
-            reason = f"the pattern keeps {density:.3f} of the causal blocks > dense_above_density " \
-                     f"{config.dense_above_density}"
-    if reason is not None:
-        logger.debug("layer %d: dense (%s)", layer_idx, reason)
-        _record_dense(layer_idx, CONTEXT_PHASE, reason)
-        if (run is None and short and logn_base is None and cache_layer is None
-                and not asks_more_than_sdpa(kwargs)):
+    if decided.path == plan.SPARSE and (rows is None or dropout):
+        reason = "not left padding" if rows is None else f"attention dropout {dropout}"
+        decided = plan.StarPlan(plan.DENSE, "padding" if rows is None else "dropout", plan.CONTEXT_PHASE, reason,
+                                decided.context_queries)
+        if rows is None:
+            plan.warn_once("padding", "hf_sparse: an attention mask with masked slots after unmasked ones (right "
+                           "padding) runs dense attention (sdpa); left padding (padding_side='left') runs sparse")
+    if decided.path == plan.DENSE:
+        logger.debug("layer %d: dense (%s)", call.layer_idx, decided.reason)
+        _record_dense(call.layer_idx, decided.phase, decided.reason)
+        if decided.rule == "length" and run is None and logn_base is None and cache_layer is None:
             # A prompt shorter than dense_below: sdpa in every layer; the later layers skip the steps above.
-            remember_dense_forward(module, query, key_length, attention_mask, kwargs)
+            plan.remember_forward(call, plan.Plan(plan.DENSE, "length"))
         return global_attention(query), None
-    if dropout:
-        raise NotImplementedError("Star attention does not support attention dropout (use model.eval())")
 
     # Phase 1 on the first `context_queries` slots: keys are the same slots (the query part comes after them).
-    rows = padding_layout(attention_mask, batch, key_length, query.device, validate=True)
-    selection = StarMethod(config).context_selection(batch, key.shape[1], context_queries, query.device, prefix)
+    context_queries = decided.context_queries
+    selection = StarMethod(config).context_selection(query.shape[0], key.shape[1], context_queries, query.device,
+                                                     run.prefix_tokens if run is not None else 0)
+    full_rows = plan.star_short_rows(rows, context_queries, config.dense_threshold(plan.CONTEXT_PHASE))
+    if full_rows is not None:  # rows whose own context is short run dense alone: every causal block here
+        last_block = kernels.reference.tile_last_blocks(selection.num_query_tiles, selection.query_tile,
+                                                        context_queries, 0, rows.starts, selection.block_size)
+        selection = selection.with_full_rows(full_rows, last_block,
+                                             kernels.reference.num_row_blocks(context_queries, rows,
+                                                                              selection.block_size))
     context = slice(0, context_queries)
     scales = {}
     if cache_layer is not None:
@@ -189,14 +176,20 @@ def star_attention_forward(
                                          scale=scale, q_offset=0, kv_start=rows, **scales)
     if recording():
         attended, causal = block_counts(selection, context_queries, 0, rows)
-        record(LayerRecord(layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
+        record(LayerRecord(call.layer_idx, CONTEXT_PHASE, None, attended, causal, selection,
                             (query[:, :, context], key[:, :, context], context_values, rows.starts)))
     output = output.transpose(1, 2)
-    if context_queries == num_queries:
+    if context_queries == call.num_queries:
         return output.contiguous(), None
     # Phase 2 for the prompt's query tokens: global causal attention over the whole prompt.
-    _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
+    _record_dense(call.layer_idx, QUERY_PHASE, GLOBAL)
     return torch.cat([output, global_attention(query[:, :, context_queries:])], dim=1), None
+
+
+@torch.compiler.disable
+def _eager_star(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`star_attention_forward` outside ``torch.compile``'s tracing (a graph break)."""
+    return star_attention_forward(*args, **kwargs)
 
 
 def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.Tensor, key: torch.Tensor,
@@ -240,7 +233,7 @@ def _sharded_query_attention(run: _StarRun, query: torch.Tensor, key: torch.Tens
         output, lse = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=q_offset,
                                                kv_start=rows)
     output, _ = distributed.merge_partials(output, lse, run.group)
-    _record_dense(layer_idx, QUERY_PHASE, _GLOBAL)
+    _record_dense(layer_idx, QUERY_PHASE, GLOBAL)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -265,14 +258,18 @@ class StarCacheLayer(SparseCacheLayer):
         if self.frozen:
             if self.keys is None:
                 return key_states[:, :, :0], value_states[:, :, :0]
+            hand_over(self, self.keys, kwargs)
             return self.keys, self.values
         prefix, self.drop_prefix = self.drop_prefix, 0
         stored_keys, stored_values = key_states[:, :, prefix:], value_states[:, :, prefix:]
         if self.key_storage is None and self.reserve_tokens:
             self.lazy_initialization(stored_keys, stored_values)
             self._grow(stored_keys.shape[2] + self.reserve_tokens, stored_keys, stored_values)
-        keys, values = super().update(stored_keys, stored_values, *args, **kwargs)
-        return (key_states, value_states) if prefix else (keys, values)
+        keys, values = self.append(stored_keys, stored_values)
+        if prefix:  # the attention call gets states this layer does not hold as they are
+            return key_states, value_states
+        hand_over(self, keys, kwargs)
+        return keys, values
 
 
 @dataclass

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hf_sparse
+from hf_sparse import plan
 from hf_sparse.cache import SparseCache
 from hf_sparse.kernels import reference as ref
 from hf_sparse.methods import METHODS
@@ -57,14 +58,20 @@ def test_left_padded_batch_equals_each_prompt_alone():
     assert torch.equal(together[1, 300:], alone_short[0, 219:])
 
 
-def test_right_padding_is_rejected():
-    model = build(tiny_config(), "plas")
-    hf_sparse.configure(model, full_density())
+def test_right_padding_runs_dense_equal_to_sdpa(caplog):
+    """Rule `padding`: a right-padded mask (sdpa takes it) runs dense, equal to sdpa, with one warning."""
+    sparse, dense = build(tiny_config(), "plas"), build(tiny_config(), "sdpa")
+    hf_sparse.configure(sparse, full_density())
     ids = torch.randint(3, 128, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
-    with pytest.raises(ValueError, match="left padding"):
-        model(ids, attention_mask=mask)
+    plan._WARNED.discard("padding")
+    with torch.no_grad(), hf_sparse.record_sparsity() as rec:
+        logits = sparse(ids, attention_mask=mask).logits
+        sparse(ids, attention_mask=mask)
+    assert torch.equal(logits, dense(ids, attention_mask=mask).logits)
+    assert set(rec.dense_layers().values()) == {"not left padding"}
+    assert sum("right padding" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense-fallback"])
@@ -324,12 +331,19 @@ def test_density_floor_memo_equals_the_estimate():
                                                 64)
 
 
-def test_bad_inputs_get_clear_errors():
+def test_bad_inputs_get_clear_errors(caplog):
+    """Rule `inputs`: a dtype no kernel takes is refused by name; output_attentions=True gives no weights (None,
+    as sdpa's) and the logits of the call without it, with one warning."""
     model = build(tiny_config(), "plas")
     hf_sparse.configure(model, full_density())
     ids = torch.randint(3, 128, (1, 40))
-    with pytest.raises(ValueError, match="output_attentions"):
+    plan._WARNED.discard("output_attentions")
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)
+        assert torch.equal(out.logits, model(ids).logits)
+    assert out.attentions is None or all(a is None for a in out.attentions)
+    assert sum("output_attentions" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(TypeError, match="float32/float16/bfloat16"):
         model.to(torch.float64)(ids)
 
@@ -369,7 +383,7 @@ def test_dense_selection_falls_back_to_sdpa_where_measured(method, monkeypatch):
 
     import hf_sparse.attention as attention
 
-    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(hf_sparse.density, "falls_back_by_density", lambda query: True)
     # the measured density decides here, not the selection's cost estimate (test_density_floor_and_memory)
     monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.0)
     monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
@@ -422,7 +436,7 @@ def test_density_probe_runs_are_tiles_of_the_full_selection():
     selection, its keys cut at its end, equals the full selection's rows for those tiles (a row without padding;
     a padded row's tiles start at its first slot): the probe density is attended / causal blocks summed over the
     runs (PLAS reference, a left-padded batch)."""
-    from hf_sparse.density import block_counts, probe_density, probe_runs
+    from hf_sparse.density import probe_density, probe_runs, row_block_counts
     from hf_sparse.padding import padding_layout
 
     assert probe_runs(4096, 1024, 128) == [(start, 128) for start in range(384, 4096, 512)]
@@ -448,12 +462,12 @@ def test_density_probe_runs_are_tiles_of_the_full_selection():
 
     density = probe_density(select, query, key, None, 0, rows, 128, 16)
     assert seen == [(end - 16, 16, end) for end in range(64, 513, 64)]
-    attended = sum(int(policy.select_prefill(query[:, :, first:first + size], summaries, key[:, :, :end], q_offset=first,
-                                             probe=True, **kwargs).counts.sum()) for first, size, end in seen)
-    causal = sum(int(block_counts(policy.select_prefill(query[:, :, first:first + size], summaries, key[:, :, :end],
-                                                        q_offset=first, probe=True, **kwargs), size, first, rows)[1])
-                 for first, size, end in seen)
-    assert density == pytest.approx(attended / causal) and 0 < density < 1
+    runs = [policy.select_prefill(query[:, :, first:first + size], summaries, key[:, :, :end], q_offset=first,
+                                  probe=True, **kwargs) for first, size, end in seen]
+    attended = sum(run.counts.sum((1, 2)) for run in runs)
+    causal = sum(row_block_counts(run, size, first, rows)[1] for run, (first, size, _) in zip(runs, seen))
+    assert density.shape == (2,)  # one density per row
+    assert torch.allclose(density, attended.double() / causal.double()) and (0 < density).all() and (density < 1).all()
 
 
 @pytest.mark.parametrize("method", ["plas", "xattn"])
@@ -463,7 +477,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     probe. Runs the Triton selection kernels under TRITON_INTERPRET=1 (and on CUDA)."""
     import hf_sparse.attention as attention
 
-    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(hf_sparse.density, "falls_back_by_density", lambda query: True)
     monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.0)
     monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -478,7 +492,7 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
     monkeypatch.setattr(policy, "select_prefill", lambda self, query, *a, **k: calls.append(query.shape[2])
                         or original(self, query, *a, **k))
     with torch.no_grad():
-        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)
+        monkeypatch.setattr(hf_sparse.density, "PROBE_QUERIES", 64)
         hf_sparse.configure(sparse, dense_config)
         with hf_sparse.record_sparsity() as rec:
             out = sparse(ids).logits
@@ -500,13 +514,13 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         with hf_sparse.record_sparsity() as rec:
             probed = sparse(ids).logits
         assert calls == ([8] * 8 + [length]) * 2 and not rec.dense_layers()
-        monkeypatch.setattr(attention, "PROBE_QUERIES", 1024)
+        monkeypatch.setattr(hf_sparse.density, "PROBE_QUERIES", 1024)
         calls.clear()
         unprobed = sparse(ids).logits
         assert calls == [length, length]
         assert torch.equal(probed, unprobed)
         # the decisions are remembered: no probe now either (a remembered sparse layer reads no density back)
-        monkeypatch.setattr(attention, "PROBE_QUERIES", 64)
+        monkeypatch.setattr(hf_sparse.density, "PROBE_QUERIES", 64)
         calls.clear()
         assert torch.equal(sparse(ids).logits, probed) and calls == [length, length]
         # forgotten: the first layer probes again (stopped at its first selection: the kernels ran above)
@@ -526,48 +540,10 @@ def test_density_probe_decides_long_prefills(method, monkeypatch):
         assert calls == [8]
 
 
-@pytest.mark.parametrize("method", ["plas", "xattn"])
-def test_known_dense_prefill(method, monkeypatch):
-    """The prefills decided dense from shapes and configuration alone: below dense_below, a dense_layers layer,
-    or (where the density fallback applies) a floor at the threshold; never a decode call, logN, an int8 cache or
-    a model feature sdpa does not compute."""
-    import dataclasses
-    import types
-
-    import hf_sparse.attention as attention
-
-    config = tiny_config("llama", 4, 2)
-    model = build(config, method)
-    module = model.model.layers[0].self_attn
-    base = fallback_configs(method)[1]
-    base = dataclasses.replace(base, dense_below=100, dense_layers=(-1,))
-    query = torch.randn(1, 4, 200, 16)
-
-    def known(config_=base, num_queries=200, key_length=200, module_=module, cache_layer=None, **kwargs):
-        return attention.known_dense_prefill(config_, method, module_, num_queries, key_length, query[:, :, :num_queries],
-                                             cache_layer, kwargs)
-
-    assert known(num_queries=99, key_length=99)  # below dense_below
-    assert not known()  # on the CPU the density fallback does not apply
-    assert known(module_=model.model.layers[1].self_attn)  # the last layer: dense_layers
-    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
-    monkeypatch.setattr(attention.METHODS[method], "selection_share", lambda self, num_queries, head_dim: 0.0)
-    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.75)
-    assert known() and not known(dataclasses.replace(base, dense_above_density=None))
-    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 0.7)
-    assert not known()
-    monkeypatch.setattr(attention.METHODS[method], "density_floor", lambda self, num_queries, key_length: 1.0)
-    assert not known(num_queries=1, key_length=200)  # decode
-    assert not known(dataclasses.replace(base, logn_scaling=True))
-    assert not known(cache_layer=types.SimpleNamespace(quantized=True))
-    assert not known(softcap=30.0) and not known(sliding_window=64) and not known(output_attentions=True)
-    assert known(softcap=None)
-
-
 @pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 def test_first_layer_decides_a_dense_forward(method, monkeypatch):
-    """A prompt below dense_below is decided dense by its first layer (PLAS / XAttention: one known_dense_prefill
-    call per forward; Star: one pass through its own dense path); the later layers reuse the decision: sdpa straight
+    """A prompt below dense_below is decided dense by its first layer (PLAS / XAttention: one plan per forward;
+    Star: one pass through its own dense path); the later layers reuse the decision (rule `forward`): sdpa straight
     where the mask holds no padding, else dense_attention. Logits equal sdpa's either way; the next forward (a new
     mask) decides again; decode steps and recording are decided per layer."""
     import hf_sparse.attention as attention
@@ -581,8 +557,8 @@ def test_first_layer_decides_a_dense_forward(method, monkeypatch):
         decisions = counting(monkeypatch, star_attention, "_global_attention")
         first_dense, recorded, phase = 0, 4, "context"
     else:
-        decisions = counting(monkeypatch, attention, "known_dense_prefill")
-        first_dense, recorded, phase = 1, 0, "prefill"
+        decisions = counting(monkeypatch, hf_sparse.plan, "plan_call")
+        first_dense, recorded, phase = 1, 4, "prefill"  # recording plans every layer
     dense_calls = counting(monkeypatch, attention, "dense_attention")
     ids, masks = unpadded_padded_unpadded()
     with torch.no_grad():
@@ -638,7 +614,7 @@ def test_density_floor_and_memory(method, monkeypatch):
 
     import hf_sparse.attention as attention
 
-    monkeypatch.setattr(attention, "falls_back_by_density", lambda query: True)
+    monkeypatch.setattr(hf_sparse.density, "falls_back_by_density", lambda query: True)
     config = tiny_config("llama", 4, 2)
     sparse, dense = build(config, method), build(config, "sdpa")
     _, sparse_config = fallback_configs(method)
@@ -659,11 +635,12 @@ def test_density_floor_and_memory(method, monkeypatch):
         dense_calls = []
         monkeypatch.setattr(attention, "dense_attention", lambda *a, **k: dense_calls.append(1) or
                             hf_sparse.dense.dense_attention(*a, **k))
-        assert torch.equal(sparse(ids).logits, dense(ids).logits)  # unrecorded: known_dense_prefill's path
+        assert torch.equal(sparse(ids).logits, dense(ids).logits)  # unrecorded: the forward-wide decision
         assert calls == [] and len(dense_calls) == 1  # the first layer decides the forward, the second runs sdpa
         monkeypatch.setattr(policy, "density_floor", lambda self, num_queries, key_length: 0.0)
         reads = []
-        monkeypatch.setattr(attention, "selection_density", lambda *a: reads.append(1) or 0.1)
+        monkeypatch.setattr(hf_sparse.density, "row_densities",
+                            lambda *a: reads.append(1) or torch.tensor([0.1], dtype=torch.float64))
         for memory, expected_reads in ((True, 2), (False, 6)):
             hf_sparse.configure(sparse, dataclasses.replace(sparse_config, density_memory=memory))
             reads.clear()

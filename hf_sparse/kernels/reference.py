@@ -59,6 +59,20 @@ def num_query_tiles(num_queries: int, q_offset: int, kv_start: torch.Tensor | Ro
     return max(1, _ceil_div(num_queries - fewest_padding, query_tile))
 
 
+def tile_last_blocks(num_tiles: int, query_tile: int, num_queries: int, q_offset: int | torch.Tensor,
+                     kv_start: torch.Tensor | RowLayout, block_size: int) -> torch.Tensor:
+    """int64 ``[B, num_tiles]``: the row block of each query tile's last real query (its last causal block), -1 for
+    a tile holding none. Tiles count from each row's first real query (as :func:`select_blocks`); ``q_offset`` may
+    be a one-element device tensor (no host read)."""
+    kv_start = row_starts(kv_start)
+    pad_q = (kv_start - q_offset).clamp(0, num_queries)
+    tiles = torch.arange(num_tiles, device=kv_start.device)
+    last_query = torch.clamp_max(pad_q[:, None] + (tiles[None, :] + 1) * query_tile, num_queries) - 1
+    has_query = last_query >= pad_q[:, None] + tiles[None, :] * query_tile
+    last_block = torch.div(q_offset + last_query - kv_start[:, None], block_size, rounding_mode="floor")
+    return torch.where(has_query, last_block, torch.full_like(last_block, -1)).clamp_min(-1)
+
+
 def check_softcap_and_sinks(softcap: float | None, sinks: torch.Tensor | None, query: torch.Tensor) -> None:
     """Raise a clear error unless ``softcap`` is None or a positive finite number and ``sinks`` is None or a
     floating-point ``[Hq]`` tensor on the query's device."""
