@@ -2,7 +2,8 @@
 themselves, atomic JSON output, GPU timing (do_bench medians, CUDA-graph replays, the fastest SDPA backend), the
 structured attention inputs, and the models and prompts of the model-level scripts (``--model``).
 
-Not a tool: ``bench_attention.py``, ``bench_generate.py`` and ``profile_model.py`` import it from this folder.
+Not a tool: the tools beside it (``bench_*.py``) import it from this folder, and the studies in ``studies/`` put
+this folder on ``sys.path`` to import it.
 """
 from __future__ import annotations
 

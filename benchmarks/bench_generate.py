@@ -1,8 +1,12 @@
 """End-to-end generate(): time to first token (TTFT), time per output token (TPOT), peak memory, density and
 (with --fidelity) next-token fidelity of hf_sparse's methods beside dense sdpa; one row per length and method.
 
-Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls (each after one
-untimed warm-up call at that length, which compiles the kernels and, for sdpa-static, the decode step):
+Measured per prompt length and method, greedy, batch 1 (--batch), medians of --repeats timed calls, each after one
+untimed first call of that method at that length (3 new tokens; sdpa-static: the most the timed calls take). The first
+call makes the static cache and captures the CUDA graphs that later calls reuse, and compiles what no earlier call of
+the process compiled (Triton kernels; hf_sparse's compiled decode step, decode_compile, which the sparse methods share;
+sdpa-static's torch.compile'd step; at a later length, what specialises on it), as a user's first call in a fresh
+process does. Its time is left out, its peak memory reported ("first call" below). Per row:
 * TTFT: wall time of generate(max_new_tokens=1), median of --ttft-rounds rounds in which each method runs once,
   in turn (a Williams design: each method at each position and right after each other method equally often),
   after all are warm: the host's speed drifts by tens of percent over a minute (a short prompt's prefill is bound
@@ -19,8 +23,10 @@ untimed warm-up call at that length, which compiles the kernels and, for sdpa-st
   prefill without the noise of the TTFT that TPOT@N subtracts.
 * captures / call: hf_sparse CUDA-graph captures per timed generate() call (hf_sparse.graphs.stats); 0 when a
   call replays the graph an earlier call captured.
-* peak: torch.cuda.max_memory_allocated over the timed calls of that method and length (reset before them;
-  weights included), and its ratio to sdpa's.
+* first call / peak: torch.cuda.max_memory_allocated (weights included) over the first call (reset just before it,
+  after what every earlier method and length kept is released, hf_sparse.graphs.release, and the allocator's cache
+  emptied: the memory that call needs) and, reset again, over the timed calls after it (the steady state); each with
+  its ratio to sdpa's, measured the same way. Off CUDA neither is measured ("-").
 * density: attended / causal key blocks of the sparse prefill layers and of the decode steps, from one more,
   untimed generate(max_new_tokens=8) under hf_sparse.record_sparsity() (--no-density skips it); 1.000 = every
   layer ran dense.
@@ -91,6 +97,22 @@ class StepClock(LogitsProcessor):
         return self.events[0].elapsed_time(self.events[-1]) / (len(self.events) - 1)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a peak-memory measurement on ``device`` (CUDA's allocator statistics; none elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """The most memory allocated on ``device`` since :func:`reset_peak`, weights included, in GiB; None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None = None,
                    **kwargs) -> tuple[float, torch.Tensor]:
     """(seconds, the new token ids) of one greedy generate() of exactly ``new_tokens`` tokens; ``clock`` records
@@ -100,26 +122,30 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock |
     gc.collect()
     if clock is not None:
         kwargs["logits_processor"] = LogitsProcessorList([clock])
-    torch.cuda.synchronize()
+    synchronize(ids.device)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
-    torch.cuda.synchronize()
+    synchronize(ids.device)
     return time.perf_counter() - start, out[0, ids.shape[1]:]
 
 
 @torch.no_grad()
 def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repeats: int) -> dict:
     """TTFT, TPOT@N (none when ``tpot_tokens`` is empty), graph captures per call and peak memory of ``method`` on
-    ``ids``; the last call's tokens."""
-    graphs.release(model)  # what another method kept (its static cache) must not count here
+    ``ids`` (over its first call and over the timed calls); the last call's tokens."""
+    # The first call starts from nothing that another method or length kept (a static cache, graphs).
+    graphs.release(model)
     gc.collect()
-    torch.cuda.empty_cache()
+    if ids.is_cuda:
+        torch.cuda.empty_cache()
     config = use_method(model, method)
     extra = {"cache_implementation": "static"} if method == "sdpa-static" else {}
-    # Warm-up at this length (kernels specialise on it): 3 new tokens reach a CUDA-graph replay; sdpa-static
-    # compiles its step for its static cache's size, so it warms up with the most tokens the timed calls take.
+    # The first call at this length (kernels specialise on it), untimed: 3 new tokens reach a CUDA-graph replay;
+    # sdpa-static compiles its step for its static cache's size, so it starts with the most tokens the timed calls take.
+    reset_peak(ids.device)
     timed_generate(model, ids, max(tpot_tokens, default=3) if method == "sdpa-static" else 3, **extra)
-    torch.cuda.reset_peak_memory_stats()
+    first_peak_gib = peak_gib(ids.device)
+    reset_peak(ids.device)
     row = {"length": ids.shape[1], "method": method, "config": config.to_dict() if config is not None else None}
     row["ttft_s"] = statistics.median(timed_generate(model, ids, 1, **extra)[0] for _ in range(repeats))
     row["tpot_ms"], row["step_ms"], row["captures_per_call"], row["replays_per_call"] = {}, {}, {}, {}
@@ -129,18 +155,20 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
         for _ in range(repeats * max(1, 64 // new_tokens)):
             first_s = timed_generate(model, ids, 1, **extra)[0]
             before = graph_counts(model)
-            clock = StepClock()
+            clock = StepClock() if ids.is_cuda else None
             elapsed, tokens = timed_generate(model, ids, new_tokens, clock=clock, **extra)
             after = graph_counts(model)
             decode_s.append(elapsed - first_s)
-            step_ms.append(clock.step_ms())
+            if clock is not None:
+                step_ms.append(clock.step_ms())
             captures.append(after[0] - before[0])
             replays.append(after[1] - before[1])
         row["tpot_ms"][new_tokens] = statistics.median(decode_s) / (new_tokens - 1) * 1e3
-        row["step_ms"][new_tokens] = statistics.median(step_ms)
+        if step_ms:
+            row["step_ms"][new_tokens] = statistics.median(step_ms)
         row["captures_per_call"][new_tokens] = statistics.mean(captures)
         row["replays_per_call"][new_tokens] = statistics.mean(replays)
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["first_peak_gib"], row["peak_gib"] = first_peak_gib, peak_gib(ids.device)
     row["tokens"] = tokens.tolist() if tokens is not None else []
     stats = graphs.stats(model)
     if stats is not None and stats.disabled_reason:
@@ -173,7 +201,7 @@ def densities(model, ids: torch.Tensor, method: str) -> tuple[float, float]:
 
 
 def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
-    """TTFT and peak against sdpa, TPOT (largest N) against sdpa-static, leading tokens equal to sdpa's."""
+    """TTFT and both peaks against sdpa, TPOT (largest N) against sdpa-static, leading tokens equal to sdpa's."""
     largest = max(tpot_tokens, default=0)
     base = {row["method"]: row for row in rows}
     sdpa, static = base.get("sdpa"), base.get("sdpa-static")
@@ -183,7 +211,9 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
             row["ttft_vs_sdpa"] = statistics.median(base_s / own_s for base_s, own_s in rounds)
         else:
             row["ttft_vs_sdpa"] = sdpa["ttft_s"] / row["ttft_s"] if sdpa else None
-        row["peak_vs_sdpa"] = row["peak_gib"] / sdpa["peak_gib"] if sdpa else None
+        for peak in ("first_peak", "peak"):  # none where one is not measured (off CUDA; older files: first_peak)
+            own, base_gib = row.get(f"{peak}_gib"), sdpa.get(f"{peak}_gib") if sdpa else None
+            row[f"{peak}_vs_sdpa"] = own / base_gib if own is not None and base_gib else None
         tpot, static_tpot = row["tpot_ms"].get(largest), static["tpot_ms"].get(largest) if static else None
         row["tpot_vs_sdpa_static"] = static_tpot / tpot if static_tpot and tpot else None
         # sdpa's tokens; sdpa-static's where sdpa was timed for TTFT only (its compiled step rounds otherwise:
@@ -198,7 +228,8 @@ def add_ratios(rows: list[dict], tpot_tokens: list[int]) -> None:
 def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: str, repeats: int) -> None:
     largest, smallest = max(tpot_tokens, default=0), min(tpot_tokens, default=0)
     print(f"\n{header(env)}\n{described}; greedy, medians of {repeats}. TTFT vs sdpa; TPOT vs sdpa-static "
-          f"(at {largest} new tokens); peak = max_memory_allocated (weights included) vs sdpa")
+          f"(at {largest} new tokens); first call / peak = max_memory_allocated (weights included) over a method's "
+          f"first call at that length / over its timed calls, vs sdpa's")
     columns = [("length", lambda r: str(r["length"])), ("method", lambda r: r["method"]),
                ("TTFT s", lambda r: f"{r['ttft_s']:.3f}"), ("vs sdpa", lambda r: speedup(r["ttft_vs_sdpa"]))]
     columns += [(f"TPOT@{n} ms", lambda r, n=n: cell(r["tpot_ms"].get(n), ".2f")) for n in tpot_tokens]
@@ -211,7 +242,9 @@ def print_table(rows: list[dict], tpot_tokens: list[int], env: dict, described: 
     columns += [("vs sdpa-static", lambda r: speedup(r["tpot_vs_sdpa_static"])),
                 ("captures / call", lambda r: " ".join(f"{r['captures_per_call'][n]:g}" for n in tpot_tokens
                                                        if n in r["captures_per_call"]) or "-"),
-                ("peak GiB", lambda r: f"{r['peak_gib']:.2f}"), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
+                ("first call GiB", lambda r: cell(r.get("first_peak_gib"))),
+                ("vs sdpa", lambda r: speedup(r.get("first_peak_vs_sdpa"))),
+                ("peak GiB", lambda r: cell(r.get("peak_gib"))), ("vs sdpa", lambda r: speedup(r["peak_vs_sdpa"])),
                 ("density prefill", lambda r: cell(r.get("prefill_density"), ".3f")),
                 ("decode", lambda r: cell(r.get("decode_density"), ".3f"))]
     if any("kl" in row for row in rows):

@@ -8,7 +8,9 @@ Throughput does not depend on the weights, so ``--model smollm2-random`` measure
     python benchmarks/bench_training.py --model smollm2 --seq-length 8192 --steps 30
 
 ``--loss-curve CHECKPOINT --png FILE`` (no GPU) plots the per-step loss history a training run's checkpoint holds
-(``gate_training_checkpoint.safetensors``), with a 50-step moving mean.
+(``gate_training_checkpoint.safetensors``), with a 50-step moving mean. ``--loss-curve LOG.jsonl`` plots a
+long-context adapter run's log instead (``hf-sparse train-long-context`` writes it beside the adapter): the language
+model loss per step, one colour per sequence length, and the tokens per second.
 """
 from __future__ import annotations
 
@@ -37,6 +39,50 @@ def training_ids(loaded, seq_length: int, count: int) -> torch.Tensor:
                         count * seq_length).view(count, seq_length)
 
 
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+            for i in range(len(values))]
+
+
+def long_context_curve(log: str, png: str) -> dict:
+    """Plot a ``train-long-context`` JSON-lines log (loss per step by sequence length, 20-step mean); its summary."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(log, encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    rows = [row for row in rows if "loss" in row]
+    if not rows:
+        raise SystemExit(f"{log} holds no training steps")
+    tokens = [row["tokens"] / 1e6 for row in rows]
+    losses = [row["loss"] for row in rows]
+    window = min(20, len(losses))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for length in sorted({row["seq_length"] for row in rows}):
+        picked = [(t, loss) for t, loss, row in zip(tokens, losses, rows) if row["seq_length"] == length]
+        ax.plot(*zip(*picked), ".", ms=3, alpha=0.5, label=f"step loss, sequences of {length}")
+    ax.plot(tokens, moving_mean(losses, window), lw=1.5, label=f"mean of {window} steps")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("language-model loss")
+    ax.set_title(f"long-context adapter: {len(rows)} steps, {rows[-1]['tokens'] / 1e6:.1f}M tokens, "
+                 f"{rows[-1]['tokens_per_second']:,.0f} tokens/s", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, png)
+    summary = {"steps": len(rows), "tokens": rows[-1]["tokens"], "seconds": rows[-1]["seconds"],
+               "tokens_per_second": rows[-1]["tokens_per_second"], "first_mean": moving_mean(losses, window)[window - 1],
+               "last_mean": moving_mean(losses, window)[-1]}
+    print(f"{summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['seconds']:.0f} s "
+          f"({summary['tokens_per_second']:,.0f} tokens/s): loss {summary['first_mean']:.3f} (first {window} steps) -> "
+          f"{summary['last_mean']:.3f} (last {window})")
+    return summary
+
+
 def loss_curve(checkpoint: str, png: str) -> None:
     import json
 
@@ -53,8 +99,7 @@ def loss_curve(checkpoint: str, png: str) -> None:
     if not losses:
         raise SystemExit(f"{checkpoint} holds no steps")
     window = min(50, len(losses))
-    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-              for i in range(len(losses))]
+    smooth = moving_mean(losses, window)
     tokens = [(i + 1) * settings["seq_length"] * settings["batch_size"] / 1e6 for i in range(len(losses))]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(tokens, losses, lw=0.5, alpha=0.4, label="per step")
@@ -80,11 +125,15 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=hf_sparse.GateTrainingConfig.query_chunk)
     parser.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0: none)")
     parser.add_argument("--json", help="write every number here")
-    parser.add_argument("--loss-curve", metavar="CHECKPOINT", help="plot this checkpoint's loss history (no run)")
+    parser.add_argument("--loss-curve", metavar="CHECKPOINT",
+                        help="plot this gate checkpoint's loss history, or a long-context run's .jsonl log (no run)")
     parser.add_argument("--png", help="with --loss-curve: the plot's file")
     args = parser.parse_args()
     if args.loss_curve:
-        loss_curve(args.loss_curve, args.png or "gate_loss.png")
+        if args.loss_curve.endswith(".jsonl"):
+            long_context_curve(args.loss_curve, args.png or "long_context_loss.png")
+        else:
+            loss_curve(args.loss_curve, args.png or "gate_loss.png")
         return
     if args.steps < 2:
         parser.error("--steps: the rate needs at least 2 steps")

@@ -4,7 +4,7 @@ A scorer is ``score(query, key, block, scale, slots) -> [B, Hq, Sq, num_blocks]`
 ``[B, Hq, Sq, D]`` at key slots ``slots`` (``[Sq]``) over the layer's keys ``[B, Hkv, Sk, D]`` (post-RoPE, unpadded
 rows). :func:`scored_selection` makes PLAS's prefill rank blocks by one (the PyTorch reference of the rest of the
 selection: threshold top-k, forced blocks, tile union). These are measurements of ranking quality on the PyTorch
-path (``benchmarks/gate_gains.py --scorers``), not kernels. ``SCORERS`` lists them; a spec on the command line is
+path (``studies/gate_gains.py --scorers``), not kernels. ``SCORERS`` lists them; a spec on the command line is
 ``NAME:BLOCK`` or ``NAME:BLOCK:R`` for those that take a size R.
 """
 from __future__ import annotations

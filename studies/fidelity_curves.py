@@ -9,14 +9,19 @@ KL(dense || sparse) and top-1 agreement over the last ``--last-n`` positions, an
 Runs on the CPU (PyTorch reference path) or the GPU; prints a Markdown table, writes JSON and a PNG (KL against
 density, one line per method family: the part of the name before the threshold or top-k option).
 
-    PYTHONPATH=. python benchmarks/fidelity_curves.py --tokens 8192 --png docs/fidelity_curves.png \
+A study (results in docs/xattn.md and docs/star.md), not a tool. From the repository root (it imports
+benchmarks/_common.py):
+
+    python studies/fidelity_curves.py --tokens 8192 --png docs/fidelity_curves.png \
         xattn-threshold=0.8 xattn-threshold=0.9 plas-prefill_top_k=[8:10] plas-prefill_top_k=[16:20]
 """
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,7 +30,9 @@ from hf_sparse.default_model import load_default_model
 from hf_sparse.eval import stdlib_text
 from hf_sparse.methods.star import StarMethod
 
-from _common import save_figure, sparse_config, table, write_json
+# benchmarks/_common.py: the helpers the benchmark scripts share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import save_figure, sparse_config, table, write_json  # noqa: E402
 
 
 def family(name: str) -> str:

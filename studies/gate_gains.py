@@ -14,7 +14,10 @@ selection is PLAS's, on the PyTorch path): ``oracle`` ranks each query's blocks 
 best any scorer could do; ``fitted-low-rank:BLOCK:R`` by their largest logit in R key directions fitted on training
 code. ``--gates`` may then be empty.
 
-    python benchmarks/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
+A study (results in docs/gates.md), not a tool. From the repository root (it imports block_scorers.py beside it
+and benchmarks/_common.py):
+
+    python studies/gate_gains.py --gates gates_b128 gates_b64 --lengths 8192 32768 --sequences 8 \\
         --json docs/runs/gate_gains.json --png docs/gate_gains.png
 """
 from __future__ import annotations
@@ -23,7 +26,9 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -33,8 +38,11 @@ from hf_sparse.default_model import load_default_model
 from hf_sparse.eval import held_out_sequences
 from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_gates
 
-from _common import environment, header, save_figure, table, write_json
-from block_scorers import SCORERS, LayerCursor, build_scorers, fit_key_bases, parse_spec, scored_selection
+# benchmarks/_common.py: the helpers the benchmark scripts share (block_scorers.py is beside this file)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import environment, header, save_figure, table, write_json  # noqa: E402
+from block_scorers import (SCORERS, LayerCursor, build_scorers, fit_key_bases, parse_spec,  # noqa: E402
+                           scored_selection)
 
 
 PLOT_TITLE = ("PLAS gates and block scorers vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over "

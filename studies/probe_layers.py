@@ -4,7 +4,10 @@ memory off, so every forward decides afresh. One line per (length, configuration
 layer, ``layer:P<d>`` for one the probe sent dense at probe density ``d``, ``layer:F<d>`` for one whose full
 selection ``d`` did, ``layer:D`` for a dense layer by configuration (``dense_layers``, ``dense_below``).
 
-    python benchmarks/probe_layers.py --model smollm2 --lengths 32768 131072 [--method xattn]
+A diagnostic (decisions quoted in docs/benchmarks.md), not a tool. From the repository root (it imports
+benchmarks/_common.py):
+
+    python studies/probe_layers.py --model smollm2 --lengths 32768 131072 [--method xattn]
 
 ``--configs NAME ...`` decides with these configurations instead (method names as ``bench_generate.py`` takes them,
 e.g. ``plas plas-query_stride=4-prefill_top_k=[52:63]``). Needs CUDA (the density fallback applies there only), or
@@ -14,10 +17,14 @@ e.g. ``plas plas-query_stride=4-prefill_top_k=[52:63]``). Needs CUDA (the densit
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from _common import LoadedModel, add_model_arguments, load_model, method_name, sparse_config
+# benchmarks/_common.py: the helpers the benchmark scripts share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import LoadedModel, add_model_arguments, load_model, method_name, sparse_config  # noqa: E402
 
 
 def cell(record) -> str:
@@ -51,10 +58,10 @@ def main() -> None:
     if args.cpu:
         if args.model != "smollm2" or args.gguf:
             raise SystemExit("probe_layers.py --cpu runs the default model only (--model smollm2, no --gguf)")
-        from hf_sparse import attention
+        from hf_sparse import density
         from hf_sparse.default_model import load_default_model
 
-        attention.falls_back_by_density = lambda query: True  # the decisions CUDA's path makes
+        density.falls_back_by_density = lambda query: True  # the decisions CUDA's path makes
         model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.float32, device="cpu")
         loaded = LoadedModel(model.eval(), tokenizer, "SmolLM2-135M-Instruct in float32 on the CPU (reference kernels)")
     elif not torch.cuda.is_available():

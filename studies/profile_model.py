@@ -1,10 +1,12 @@
 """Where the time of a prefill or of a decode step goes, on a whole model (``--model``: a Llama-3-8B- or
-SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instruct on real text).
+SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instruct on real text). A diagnostic
+(its findings in docs/benchmarks.md and docs/kernels.md), not a tool; from the repository root (it imports
+benchmarks/_common.py):
 
-    python benchmarks/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe]
-    python benchmarks/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
-    python benchmarks/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
-    python benchmarks/profile_model.py layers [--length 131072] [--methods plas xattn] [--only 0 12]
+    python studies/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe]
+    python studies/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
+    python studies/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
+    python studies/profile_model.py layers [--length 131072] [--methods plas xattn] [--only 0 12]
 
 prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over ``--length`` prompt tokens with an
   all-ones 2D attention mask (default model: the
@@ -44,14 +46,18 @@ import gc
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 
-from _common import (add_model_arguments, cache_kwarg, environment, graph_counts, header, load_model,
+# benchmarks/_common.py: the helpers the benchmark scripts share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import (add_model_arguments, cache_kwarg, environment, graph_counts, header, load_model,  # noqa: E402
                      interleaved, method_name, progress, require_cuda, speedup, table, use_method)
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the GPU

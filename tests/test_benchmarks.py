@@ -1,4 +1,5 @@
-"""The benchmark scripts' helpers that shape what they report: method names and the token comparison."""
+"""The benchmark scripts' helpers that shape what they report: method names, the token comparison, the ratios,
+the first call's and the later calls' peak memory."""
 import sys
 from pathlib import Path
 
@@ -7,8 +8,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_generate  # noqa: E402
 from _common import round_orders, sparse_config  # noqa: E402
 from bench_generate import add_ratios  # noqa: E402
+from conftest import build, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("value", ["False", "false"])
@@ -21,8 +24,9 @@ def test_sparse_config_reads_python_and_json_booleans(value):
     assert sparse_config("sdpa") is None
 
 
-def _row(method, tokens, tpot=None):
-    return {"method": method, "tokens": tokens, "ttft_s": 1.0, "peak_gib": 1.0, "tpot_ms": tpot or {}}
+def _row(method, tokens, tpot=None, first_peak=2.0, peak=1.0):
+    return {"method": method, "tokens": tokens, "ttft_s": 1.0, "first_peak_gib": first_peak, "peak_gib": peak,
+            "tpot_ms": tpot or {}}
 
 
 def test_tokens_compared_with_eager_sdpa_when_it_decoded():
@@ -31,6 +35,20 @@ def test_tokens_compared_with_eager_sdpa_when_it_decoded():
     plas = rows[2]
     assert (plas["same_tokens_as_sdpa"], plas["same_tokens_reference"]) == (3, "sdpa")
     assert plas["tpot_vs_sdpa_static"] == 2.0
+
+
+def test_both_peaks_against_sdpas_and_none_where_a_peak_is_not_measured():
+    """First-call and later peaks each against sdpa's own; no ratio where either is missing (off CUDA, or a file
+    written before the first call's peak was measured)."""
+    rows = [_row("sdpa", [], first_peak=2.0, peak=1.0), _row("plas", [], first_peak=3.0, peak=0.9),
+            _row("xattn", [], first_peak=None, peak=None)]
+    del rows[2]["first_peak_gib"]  # an older file's row
+    add_ratios(rows, [])
+    assert rows[1]["first_peak_vs_sdpa"] == 1.5 and rows[1]["peak_vs_sdpa"] == pytest.approx(0.9)
+    assert rows[2]["first_peak_vs_sdpa"] is None and rows[2]["peak_vs_sdpa"] is None
+    rows = [_row("sdpa", [], first_peak=None, peak=None), _row("plas", [], first_peak=3.0, peak=0.9)]
+    add_ratios(rows, [])
+    assert rows[1]["first_peak_vs_sdpa"] is None and rows[1]["peak_vs_sdpa"] is None
 
 
 def test_tokens_compared_with_static_when_sdpa_timed_ttft_only():
@@ -73,18 +91,63 @@ def test_replot_pairs_tpot_within_one_file(capsys):
     assert "3.02x" in rows[("16384", "plas")]  # 16K only in the second file: its own pairing
 
 
-def test_probe_layers_names_each_decision():
-    """benchmarks/probe_layers.py's cell: a sparse layer's density, and the density the attention function's dense
-    reasons name (the probe's, the full selection's), or D for a dense layer by configuration."""
-    from probe_layers import cell
+def _measured(methods, tpot_tokens):
+    """``bench_generate.measure`` of each method on a one-layer tiny Llama on the CPU (40 prompt tokens, one repeat:
+    TPOT over one pair of calls when ``tpot_tokens`` is 64), with the ratios."""
+    model = build(tiny_config(layers=1), "sdpa")
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    rows = [bench_generate.measure(model, ids, method, list(tpot_tokens), repeats=1) for method in methods]
+    add_ratios(rows, list(tpot_tokens))
+    return rows
 
-    from hf_sparse.recording import LayerRecord
 
-    assert cell(LayerRecord(3, "prefill", None, 40.0, 100.0)) == "3:0.40"
-    probe = "probe density 0.712 (1024 queries in 8 runs) >= 0.670 (dense_above_density 0.75 less the selection ...)"
-    assert cell(LayerRecord(8, "prefill", probe)) == "8:P0.712"
-    assert cell(LayerRecord(9, "prefill", "density 0.801 >= dense_above_density 0.75")) == "9:F0.801"
-    assert cell(LayerRecord(29, "prefill", "dense_layers")) == "29:D"
+def test_measure_on_the_cpu_leaves_both_peaks_unmeasured(capsys):
+    """Off CUDA there are no allocator statistics: both peaks and their ratios are None and the table prints "-"
+    for them; everything else is measured."""
+    rows = _measured(["sdpa", "plas"], [64])
+    for row in rows:
+        assert row["first_peak_gib"] is None and row["peak_gib"] is None
+        assert row["first_peak_vs_sdpa"] is None and row["peak_vs_sdpa"] is None
+        assert row["ttft_s"] > 0 and row["tpot_ms"][64] > 0 and len(row["tokens"]) == 64
+    assert rows[1]["same_tokens_as_sdpa"] == 64  # a 40-token prompt runs dense: plas's tokens are sdpa's
+    bench_generate.print_table(rows, [64], {"device": "cpu", "date": "today"}, "tiny Llama", 1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    titles = [title.strip() for title in lines[0].split("|")]
+    first = titles.index("first call GiB")
+    assert titles[first + 1: first + 4] == ["vs sdpa", "peak GiB", "vs sdpa"]
+    for line in lines[2:]:
+        assert [cell.strip() for cell in line.split("|")][first: first + 4] == ["-"] * 4
+
+
+def test_first_peak_covers_the_first_call_alone_from_a_released_state(monkeypatch):
+    """``first_peak_gib`` is the peak over a method's first generate() at that length, its statistics reset after
+    what earlier methods kept is released; ``peak_gib`` the peak over the timed calls after it (the first call left
+    out, as before). Fake allocator statistics on the CPU: each call peaks at 5 GiB if it is its method's first, at
+    2 GiB if not; TTFT calls only (the timed calls after the first)."""
+    events, peak = [], {"now": 0.0}
+    original = bench_generate.timed_generate
+
+    def timed_generate(model, ids, new_tokens, **kwargs):
+        first = events[-1] == "reset" and events[-2] == "release"
+        events.append("generate")
+        peak["now"] = max(peak["now"], 5.0 if first else 2.0)
+        return original(model, ids, new_tokens, **kwargs)
+
+    def reset_peak(device):
+        events.append("reset")
+        peak["now"] = 0.0
+
+    monkeypatch.setattr(bench_generate.graphs, "release", lambda model: events.append("release"))
+    monkeypatch.setattr(bench_generate, "reset_peak", reset_peak)
+    monkeypatch.setattr(bench_generate, "peak_gib", lambda device: peak["now"])
+    monkeypatch.setattr(bench_generate, "timed_generate", timed_generate)
+    rows = _measured(["sdpa", "plas"], [])
+    for row in rows:
+        assert (row["first_peak_gib"], row["peak_gib"]) == (5.0, 2.0)
+        assert row["first_peak_vs_sdpa"] == row["peak_vs_sdpa"] == 1.0
+    assert events[:5] == ["release", "reset", "generate", "reset", "generate"]
+    assert events.count("release") == 2 and events.count("reset") == 4
 
 
 @pytest.mark.parametrize("methods", [["sdpa", "plas"], ["sdpa", "plas", "xattn"],
@@ -124,77 +187,6 @@ def test_interleaved_switches_to_each_method_before_its_call_in_round_order(monk
     assert times == {method: [float(i + 1) for i, m in enumerate(order) if m == method] for method in methods}
 
 
-def test_fidelity_curves_average_each_setting_per_length_over_its_windows():
-    """``fidelity_curves.averaged``: one row per (input length, setting), the mean of each number over the windows
-    with their range; the same setting at another length stays its own row."""
-    from fidelity_curves import averaged, family
-
-    def row(tokens, setting, kl, window):
-        return {"tokens": tokens, "setting": setting, "family": family(setting), "density": 0.5, "kl": kl,
-                "kl_last": 2 * kl, "top1": 0.9, "window": window}
-    rows = [row(8192, "star-block_size=1024", 0.1, 0), row(8192, "star-block_size=1024", 0.3, 1),
-            row(32768, "star-block_size=1024", 1.0, 0)]
-    merged = averaged(rows)
-    assert [(r["tokens"], r["windows"]) for r in merged] == [(8192, 2), (32768, 1)]
-    assert merged[0]["kl"] == pytest.approx(0.2) and merged[0]["kl_min"] == 0.1 and merged[0]["kl_max"] == 0.3
-    assert merged[0]["kl_last"] == pytest.approx(0.4) and merged[1]["kl"] == 1.0
-    assert family("star-block_size=1024-query_tokens=256") == "star-query_tokens=256"
-    assert family("plas-prefill_top_k=[8:10]") == "plas (other fields default)"
-
-
-def _scorer_inputs(seed=0, q_heads=6, kv_heads=2, queries=40, keys=203, dim=16):
-    generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(1, q_heads, queries, dim, generator=generator)
-    key = torch.randn(1, kv_heads, keys, dim, generator=generator)
-    return query, key, torch.arange(keys - queries, keys)
-
-
-def test_block_scorers_oracle_and_max_logit_pool_the_reference_logits():
-    from block_scorers import max_logit, oracle
-
-    from hf_sparse.kernels import reference
-
-    query, key, slots = _scorer_inputs()
-    for pool, scorer in (("sum", oracle), ("max", max_logit)):
-        expected = reference.pooled_block_logits(query, key, 32, 0.25, int(slots[0]), pool)
-        assert torch.equal(scorer(query, key, 32, 0.25, slots).isfinite(), expected.isfinite())
-        torch.testing.assert_close(scorer(query, key, 32, 0.25, slots).nan_to_num(neginf=0),
-                                   expected.nan_to_num(neginf=0))
-
-
-def test_causal_logits_take_the_slots_of_queries_picked_out_of_order():
-    from hf_sparse.kernels import reference
-
-    query, key, slots = _scorer_inputs(seed=2)
-    picked = torch.tensor([0, 7, 3, 39])
-    expected = reference.causal_logits(query, key, 0.25, int(slots[0]))[:, :, picked]
-    torch.testing.assert_close(reference.causal_logits(query[:, :, picked], key, 0.25, slots[picked]), expected)
-
-
-def test_low_rank_max_in_every_direction_is_the_largest_logit_and_the_bound_lies_above_it():
-    from block_scorers import bounds, low_rank_max, max_logit
-
-    query, key, slots = _scorer_inputs(seed=1)
-    exact = max_logit(query, key, 32, 0.25, slots)
-    full = low_rank_max(lambda k: torch.eye(k.shape[-1]).expand(k.shape[1], -1, -1))(query, key, 32, 0.25, slots)
-    torch.testing.assert_close(full, exact)
-    visible = exact.isfinite()
-    assert (bounds(query, key, 32, 0.25, slots)[visible] >= exact[visible] - 1e-5).all()
-    half = low_rank_max(lambda k: torch.eye(k.shape[-1])[: k.shape[-1] // 2].expand(k.shape[1], -1, -1))
-    assert not torch.allclose(half(query, key, 32, 0.25, slots)[visible], exact[visible])
-
-
-@pytest.mark.parametrize("spec, message", [("foo:64", "unknown scorer 'foo'"), ("low-rank:64", "low-rank:BLOCK:R"),
-                                           ("oracle:64:2", "oracle:BLOCK"), ("norm-keys:0:4", "positive integers"),
-                                           ("subblock-max:64:24", "24 does not divide")])
-def test_block_scorer_specs_name_the_problem(spec, message):
-    from block_scorers import parse_spec
-
-    with pytest.raises(ValueError, match=message):
-        parse_spec(spec)
-    assert parse_spec("fitted-low-rank:128:16") == ("fitted-low-rank", 128, 16)
-
-
 def test_bench_attention_query_stride_spec():
     """``--query-stride S[:SCALE]``: a stride and a top-k scale, bad ones refused with the spec named."""
     import argparse
@@ -207,44 +199,19 @@ def test_bench_attention_query_stride_spec():
             stride_spec(bad)
 
 
-@pytest.mark.parametrize("stride", [1, 3, 8])
-def test_scored_selection_with_mean_keys_is_plas_selection_with_its_query_stride(stride):
-    """The scored-selection hook ranking by ``q . mean key`` selects what PLAS's reference selects from mean
-    summaries with the same ``query_stride`` (tiles of 48 over 200 queries: the last is short)."""
-    from block_scorers import mean_key, scored_select_prefill
+def test_long_context_curve_summarises_a_training_log(tmp_path):
+    """bench_training.py --loss-curve LOG.jsonl: the long-context run's summary (steps, tokens, 20-step means)."""
+    pytest.importorskip("matplotlib")
+    import json
 
-    from hf_sparse.config import PLASConfig
-    from hf_sparse.kernels import reference
-    from hf_sparse.methods.plas import PLASMethod
+    import bench_training
 
-    gen = torch.Generator().manual_seed(stride)
-    query, key = torch.randn(1, 4, 200, 16, generator=gen), torch.randn(1, 2, 200, 16, generator=gen)
-    key = key.repeat_interleave(2, dim=1)  # the hook sees keys per query head
-    config = PLASConfig(block_size=16, query_union=48, prefill_top_k=(2, 3), query_stride=stride, sink_blocks=1)
-    kv_start = torch.zeros(1, dtype=torch.long)
-    got = scored_select_prefill(PLASMethod(config), mean_key, stride, query, None, key, scale=0.25, q_offset=0,
-                                kv_start=kv_start)
-    summaries = reference.block_summaries(key, None, kv_start, 16)
-    expected = reference.select_blocks(query, summaries, scale=0.25, q_offset=0, kv_start=kv_start, block_size=16,
-                                       top_k=(2, 3), query_tile=48, head_union=False, sink_blocks=1,
-                                       search_steps=config.search_steps, query_stride=stride)
-    assert torch.equal(got.to_mask(13), expected.to_mask(13))
-
-
-def test_probe_layers_cpu_runs_the_default_model_only(monkeypatch):
-    """``probe_layers.py --cpu`` refuses another model before loading anything, naming what it runs."""
-    import probe_layers
-
-    monkeypatch.setattr(sys, "argv", ["probe_layers.py", "--cpu", "--model", "smollm2-random"])
-    with pytest.raises(SystemExit, match="--cpu runs the default model only"):
-        probe_layers.main()
-
-
-def test_probe_layers_refuses_dense_configs(monkeypatch, capsys):
-    """``probe_layers.py --configs`` names plas / xattn configurations; sdpa is refused, not skipped."""
-    import probe_layers
-
-    monkeypatch.setattr(sys, "argv", ["probe_layers.py", "--configs", "plas", "sdpa"])
-    with pytest.raises(SystemExit):
-        probe_layers.main()
-    assert "sdpa and sdpa-static make no sparse decisions" in capsys.readouterr().err
+    log = tmp_path / "adapter.log.jsonl"
+    rows = [{"step": i + 1, "tokens": (i + 1) * 100, "loss": 3.0 - 0.01 * i, "lr": 1e-4, "seconds": i + 1.0,
+             "tokens_per_second": 100.0, "seq_length": 100 if i % 2 else 200} for i in range(30)]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = bench_training.long_context_curve(str(log), str(tmp_path / "curve.png"))
+    assert (summary["steps"], summary["tokens"]) == (30, 3000) and (tmp_path / "curve.png").is_file()
+    assert summary["first_mean"] == pytest.approx(3.0 - 0.01 * 9.5) and summary["last_mean"] == pytest.approx(
+        3.0 - 0.01 * 19.5)
+    assert bench_training.moving_mean([1.0, 2.0, 3.0], 2) == [1.0, 1.5, 2.5]
