@@ -56,16 +56,63 @@ def config_from_overrides(overrides: Sequence[str], method: str = "plas") -> Any
         raise SystemExit(f"invalid configuration: {error}") from None
 
 
-def _load(model_name: str, dtype: str, device: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _model_path(model_name: str) -> str:
     from .default_model import default_model_dir
 
-    path = str(default_model_dir()) if model_name == "default" else model_name
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer, device
+    return str(default_model_dir()) if model_name == "default" else model_name
+
+
+def _rope_factor(text: str | None) -> float | None:
+    """The YaRN factor of ``--rope-scaling yarn:FACTOR`` (None when the flag is absent)."""
+    if text is None:
+        return None
+    kind, _, value = text.partition(":")
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if kind != "yarn" or not factor >= 1.0:
+        raise SystemExit(f"--rope-scaling expects yarn:FACTOR with a factor >= 1 (e.g. yarn:4), got {text!r}")
+    return factor
+
+
+def _load(args: argparse.Namespace, max_length: int | None = None):
+    """The model on its device. ``--model default``: YaRN with the factor ``max_length`` (prompt and new tokens)
+    needs past 8K, or the long-context default with ``--long-context`` (``load_default_model``); any model:
+    ``--rope-scaling yarn:FACTOR``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .default_model import load_default_model
+    from .rope_scaling import apply_yarn
+
+    factor = _rope_factor(args.rope_scaling)
+    if args.long_context and (args.model != "default" or factor is not None):
+        raise SystemExit("--long-context gives the long-context default model: use it with --model default and "
+                         "without --rope-scaling")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model == "default" and factor is None:
+        try:
+            model, _ = load_default_model("sdpa", _DTYPES[args.dtype], max_length=max_length,
+                                          long_context=args.long_context)
+        except FileNotFoundError as error:
+            raise SystemExit(str(error)) from None
+    else:
+        path = _model_path(args.model)
+        kwargs = {}
+        if factor is not None:
+            try:
+                kwargs["config"] = apply_yarn(AutoConfig.from_pretrained(path), factor=factor)
+            except ValueError as error:
+                raise SystemExit(f"--rope-scaling: {error}") from None
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[args.dtype], attn_implementation="sdpa",
+                                                     **kwargs)
+    return model.to(device).eval(), device
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_model_path(args.model))
 
 
 def _read_text(args: argparse.Namespace) -> str:
@@ -84,6 +131,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="override of the method's config (PLASConfig, XAttnConfig, StarConfig)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--long-context", action="store_true",
+                        help="with --model default: the long-context default model (YaRN + the shipped adapter)")
+    parser.add_argument("--rope-scaling", default=None, metavar="yarn:FACTOR",
+                        help="YaRN rope scaling for any model (factor = length / trained length); --model default "
+                             "picks it from the prompt's length when this is not given")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -91,13 +143,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     sparse = args.method in CONFIG_CLASSES
     config = config_from_overrides(args.set, args.method) if sparse else None
-    model, tokenizer, device = _load(args.model, args.dtype, args.device)
-    if sparse:
-        configure(model, config)
+    tokenizer = _load_tokenizer(args)
     text = _read_text(args)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    inputs = tokenizer(text, return_tensors="pt").to(device)
+    inputs = tokenizer(text, return_tensors="pt")
+    model, device = _load(args, inputs.input_ids.shape[1] + args.max_new_tokens)
+    if sparse:
+        configure(model, config)
+    inputs = inputs.to(device)
     with torch.no_grad(), record_sparsity() as recorder:
         start = time.perf_counter()
         output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -117,12 +171,13 @@ def _eval(args: argparse.Namespace) -> int:
     from .eval import compare_table, fidelity
 
     config = config_from_overrides(args.set, args.method)
-    model, tokenizer, device = _load(args.model, args.dtype, args.device)
+    tokenizer = _load_tokenizer(args)
     ids = tokenizer(_read_text(args), return_tensors="pt").input_ids
     if args.tokens:
         if ids.shape[1] < args.tokens:
             raise SystemExit(f"the input has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
         ids = ids[:, : args.tokens]
+    model, device = _load(args, ids.shape[1])
     if not args.gates:
         report = fidelity(model, ids.to(device), config, last_n=args.last_n, with_recall=not args.no_recall)
         print(report.table())
@@ -163,9 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--gates", metavar="FILE_OR_FOLDER_OR_REPO",
                           help="PLAS: evaluate with this gate file too and print it beside mean pooling")
     evaluate.set_defaults(run=_eval)
+    from .long_context import add_train_long_context_command
     from .training import add_train_gates_command
 
     add_train_gates_command(commands)
+    add_train_long_context_command(commands)
     return parser
 
 

@@ -71,12 +71,61 @@ def default_model_dir() -> Path:
     return target
 
 
-def load_default_model(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, device: str | None = None):
-    """``(model, tokenizer)`` for SmolLM2-135M-Instruct with the given attention implementation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+#: The context length SmolLM2-135M-Instruct was trained to (its ``max_position_embeddings``).
+DEFAULT_TRAINED_LENGTH = 8192
 
+
+def load_default_model(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, device: str | None = None,
+                       *, max_length: int | None = None, long_context: bool = False,
+                       adapter_path: str | os.PathLike | None = None):
+    """``(model, tokenizer)`` for SmolLM2-135M-Instruct with the given attention implementation.
+
+    ``max_length``: the longest sequence (prompt and new tokens) the model is for. Past the 8,192 tokens the
+    model was trained to, YaRN rope scaling is applied with ``factor = max_length / 8192`` rounded up to a whole
+    number (9,000 tokens: 2; 32,768: 4; 40,000: 5), so the model covers ``factor * 8192`` tokens
+    (``config.max_position_embeddings``); up to 8,192 the model is unchanged.
+
+    ``long_context=True``: the long-context version: YaRN with the parameters the shipped adapter
+    (``hf_sparse/data/smollm2_long_context.safetensors``) was trained with, and the adapter merged into the weights
+    (in float32, then cast to ``dtype``). A ``max_length`` beyond the length those parameters cover raises the
+    factor as above, with a warning (that length was not trained). ``adapter_path``: an adapter file of
+    :mod:`hf_sparse.long_context` to use instead of the shipped one (implies ``long_context``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .long_context import SHIPPED_ADAPTER, load_adapter, merge_adapter
+    from .rope_scaling import apply_rope_parameters, apply_yarn, trained_length
+
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+    adapter = None
+    if long_context or adapter_path is not None:
+        file = Path(adapter_path) if adapter_path is not None else SHIPPED_ADAPTER
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"the long-context adapter {file} is not there: "
+                + ("this installation of hf_sparse does not ship it; train one with `hf-sparse train-long-context "
+                   "--model default --out FILE` and pass adapter_path=FILE" if adapter_path is None else
+                   "check the path"))
+        adapter = load_adapter(file)
+        if adapter.base_model != DEFAULT_MODEL_ID:
+            logger.warning("%s was trained on %s, not %s", file, adapter.base_model, DEFAULT_MODEL_ID)
     path = default_model_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    config = AutoConfig.from_pretrained(path)
+    if adapter is not None:
+        apply_rope_parameters(config, adapter.rope_parameters)
+        if max_length is not None and max_length > config.max_position_embeddings:
+            logger.warning("max_length %d is beyond the %d tokens the long-context adapter's rope parameters cover "
+                           "(trained at %d): raising the YaRN factor to cover it", max_length,
+                           config.max_position_embeddings, adapter.seq_length)
+            apply_yarn(config, max_length, whole=True)
+    elif max_length is not None and max_length > trained_length(config):
+        apply_yarn(config, max_length, whole=True)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32 if adapter else dtype,
+                                                 attn_implementation=attn_implementation)
+    if adapter is not None:
+        merge_adapter(model, adapter)
+        model.to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device is not None:
         model.to(device)

@@ -14,10 +14,12 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import feed_forward, graphs, kernels
-from .attention import LAST_LAYER_ROWS, ReadRows, dense_attention, method_config, sparse_attention_forward
+from .attention import dense_attention, method_config, sparse_attention_forward
+from .plan import LAST_LAYER_ROWS, ReadRows
+from .rope_scaling import check_context_length
 from .cache import CACHE_KWARG, SparseCache, block_size_for, kv_dtype_for
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .star_attention import star_attention_forward
@@ -38,12 +40,17 @@ _PROBE_NAME = "hf_sparse_probe"
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                 **kwargs: Any) -> torch.Tensor | None:
-    """Mask function for our implementations: the 2D padding mask ``[B, kv_length]`` (or None when the
-    caller passed none).
+                 allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function for our implementations: for causal attention with (or without) padding, the 2D padding mask
+    ``[B, kv_length]`` (or None when the caller passed none); for anything else, sdpa's own 4D mask, with which the
+    attention runs dense (``hf_sparse.plan``'s ``mask`` rule).
 
-    No dense ``[B, 1, S, S]`` mask is built; causality is applied inside the attention function. The mask
-    is returned even when it holds no padding: checking that would read it on the host every step.
+    No dense ``[B, 1, S, S]`` mask is built for causal attention; causality is applied inside the attention
+    function. The mask is returned even when it holds no padding: checking that would read it on the host every
+    step. transformers turns ``allow_is_causal_skip`` off where the mask is more than causal plus padding:
+    packed sequences (``position_ids`` restarting inside a row), mask overlays (``or_mask_function`` /
+    ``and_mask_function``, block-wise overlays) and the decode step of a compileable cache (a SparseCache is not
+    one: its CUDA-graph decode replaces transformers' compiled one).
     """
     if isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length != kv_offset + kv_length:
         raise ValueError(
@@ -53,6 +60,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
             "(static storage; CUDA-graph decode on CUDA), or let generate() create its cache (cache_implementation="
             "'static' is mapped to a static SparseCache)."
         )
+    if not allow_is_causal_skip and mask_function is not None:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         allow_is_causal_skip=False, **kwargs)
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]
@@ -219,6 +230,8 @@ def _generate(self, *args: Any, **kwargs: Any) -> Any:
     """``generate()`` of our implementations with the prefill's forwards watched (:func:`_watch_prefill`: the rows
     they read, their feed-forward blocks), after which the CUDA-graph wrapper the cache hook may have installed is
     removed."""
+    check_context_length(self, kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else
+                                                                  kwargs.get("inputs_embeds"))))
     implementation = getattr(self.config, "_attn_implementation", None)
     handles = []
     if implementation in METHODS:
