@@ -14,21 +14,19 @@ import torch
 
 import hf_sparse
 from hf_sparse.default_model import load_default_model
-
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+from hf_sparse.eval import PASSKEY_FILLER as FILLER, PASSKEY_INSTRUCTION, PASSKEY_QUESTION, passkey_needle
 
 
 def passkey_prompt(tokenizer, target_tokens: int, seed: int) -> tuple[str, str]:
     """A chat prompt of about ``target_tokens`` tokens with a random 5-digit pass key at a random depth."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    needle = passkey_needle(key)
     per_filler = len(tokenizer(FILLER).input_ids)
     repeats = max(1, (target_tokens - 60) // per_filler)
     depth = rng.randint(repeats // 5, 4 * repeats // 5)
     text = FILLER * depth + needle + FILLER * (repeats - depth)
-    question = ("There is a pass key hidden in the following text. Find it and memorize it.\n\n" + text +
-                "\n\nWhat is the pass key? Answer with the number only.")
+    question = PASSKEY_INSTRUCTION + text + PASSKEY_QUESTION
     messages = [{"role": "user", "content": question}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return prompt, key

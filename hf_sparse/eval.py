@@ -233,3 +233,108 @@ def fidelity(model: Any, input_ids: torch.Tensor, config: Any = None, last_n: in
         num_tokens=input_ids.shape[1], positions=positions, kl=kl, top1_agreement=top1, kl_last=kl_last,
         density=attended / causal if causal else 1.0, recall=mean_recall, layers=layers,
     )
+
+
+# -- pass-key retrieval -------------------------------------------------------------------------------------------
+
+#: The demo's haystack (``examples/generate.py``): these sentences repeated to any length.
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+#: What the prompt says before the haystack, and the question after it.
+PASSKEY_INSTRUCTION = "There is a pass key hidden in the following text. Find it and memorize it.\n\n"
+PASSKEY_QUESTION = "\n\nWhat is the pass key? Answer with the number only."
+#: A completion cue after the question, for a tokenizer without a chat template (base models).
+PASSKEY_CUE = "\n\nThe pass key is"
+_HAYSTACK_MARK = "<<hf_sparse haystack>>"
+_SENTENCE_SEARCH = 32  # tokens either side of the requested depth searched for a sentence start (at most 2%)
+
+
+def passkey_needle(key: str) -> str:
+    """The sentences that hide ``key`` in a haystack."""
+    return f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def passkey_found(answer: str, key: str) -> bool:
+    """Whether ``key``'s digits appear, in order and together, among the digits of ``answer`` ("12,345" and
+    "1 2 3 4 5" count for 12345)."""
+    if not key.isdigit():
+        raise ValueError(f"a pass key is digits only, got {key!r}")
+    return key in "".join(character for character in answer if character.isdigit())
+
+
+def filler_ids(tokenizer: Any, min_tokens: int) -> torch.Tensor:
+    """1-D token ids of :data:`PASSKEY_FILLER` repeated to at least ``min_tokens`` tokens (tokenized as one text)."""
+    per_filler = len(tokenizer(PASSKEY_FILLER, add_special_tokens=False).input_ids)
+    repeats = -(-min_tokens // max(per_filler - 1, 1)) + 1
+    ids = tokenizer(PASSKEY_FILLER * repeats, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    return ids[:max(min_tokens, 1)]
+
+
+@dataclass
+class PasskeyPrompt:
+    """A pass-key prompt of an exact token length.
+
+    Attributes:
+        input_ids: ``[1, length]`` token ids: instruction, haystack with the needle inside, question.
+        key: the hidden digits.
+        haystack_start: index of the haystack's first token (the instruction comes before it).
+        context_length: tokens up to the end of the haystack; the question follows (Star's context and query).
+        needle_start: index of the needle's first token.
+        depth: where the needle starts, as a fraction of the haystack's tokens.
+    """
+
+    input_ids: torch.Tensor
+    key: str
+    haystack_start: int
+    context_length: int
+    needle_start: int
+    depth: float
+
+
+def _sentence_start(tokenizer: Any, ids: torch.Tensor, around: int) -> int:
+    """The token index nearest ``around`` at which a sentence starts (the token before it ends in ``.``, ``!``,
+    ``?`` or a newline), within :data:`_SENTENCE_SEARCH` tokens or 2% of ``ids``; ``around`` itself when none is
+    that near."""
+    radius = min(_SENTENCE_SEARCH, ids.numel() // 50)
+    for offset in sorted(range(-radius, radius + 1), key=abs):
+        index = around + offset
+        if 0 < index < ids.numel() and tokenizer.decode(ids[index - 1: index]).rstrip(" ").endswith(
+                (".", "!", "?", "\n")):
+            return index
+    return around
+
+
+def passkey_prompt(tokenizer: Any, haystack_ids: torch.Tensor, length: int, depth: float, key: str) -> PasskeyPrompt:
+    """A prompt of exactly ``length`` tokens asking for ``key``, hidden at ``depth`` (0-1) of a haystack cut from
+    the start of ``haystack_ids`` (1-D token ids: :func:`filler_ids`, or any tokenized text).
+
+    The prompt is the demo's (``examples/generate.py``): instruction, haystack, question, in the tokenizer's chat
+    template as one user message when it has one, else as plain text ending in :data:`PASSKEY_CUE`. The needle
+    goes in at the sentence start nearest the requested depth.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    if getattr(tokenizer, "chat_template", None):
+        message = PASSKEY_INSTRUCTION + _HAYSTACK_MARK + PASSKEY_QUESTION
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+        special = False  # the template writes its own special tokens
+    else:
+        text, special = PASSKEY_INSTRUCTION + _HAYSTACK_MARK + PASSKEY_QUESTION + PASSKEY_CUE, True
+    if text.count(_HAYSTACK_MARK) != 1:
+        raise ValueError("the tokenizer's chat template does not keep the user message as written")
+    before, after = text.split(_HAYSTACK_MARK)
+    prefix = tokenizer(before, add_special_tokens=special).input_ids
+    suffix = tokenizer(after, add_special_tokens=False).input_ids
+    needle = tokenizer(" " + passkey_needle(key).strip(), add_special_tokens=False).input_ids
+    room = length - len(prefix) - len(needle) - len(suffix)
+    if room < 1:
+        raise ValueError(f"a pass-key prompt of {length} tokens leaves no room for a haystack: instruction, needle "
+                         f"and question take {length - room} tokens")
+    if haystack_ids.dim() != 1 or haystack_ids.numel() < room:
+        raise ValueError(f"the haystack must be 1-D token ids of at least {room} tokens, got shape "
+                         f"{tuple(haystack_ids.shape)}")
+    haystack = haystack_ids[:room].cpu()
+    cut = _sentence_start(tokenizer, haystack, round(depth * room))
+    ids = torch.cat([torch.tensor(prefix), haystack[:cut], torch.tensor(needle), haystack[cut:],
+                     torch.tensor(suffix)]).long()[None]
+    return PasskeyPrompt(ids, key, len(prefix), len(prefix) + room + len(needle), len(prefix) + cut, cut / room)
