@@ -6,7 +6,7 @@ STAMP := $(VENV)/.hf_sparse_installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch>=2.11,torch==2.13.0)
 
-.PHONY: demo test install gpu-test clean
+.PHONY: demo test install gpu-test peer-test clean
 
 install: $(STAMP)
 
@@ -36,6 +36,16 @@ GPU_JOBS ?= 8
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu -n $(GPU_JOBS) tests
+
+# transformers' own llama / qwen2 / mistral tests under sdpa, plas, xattn and plas / xattn at full density, against a
+# transformers checkout (docs/peer_tests.md): make peer-test TRANSFORMERS_TESTS=/path/to/transformers
+PEER_OUT ?= peer_results
+PEER_JOBS ?= $(JOBS)
+
+peer-test: $(STAMP)
+	test -d "$(TRANSFORMERS_TESTS)/tests/models" || { echo "set TRANSFORMERS_TESTS to a transformers checkout"; exit 2; }
+	$(PY) -c "import parameterized" 2>/dev/null || $(PY) -m pip install -q parameterized
+	$(PY) scripts/peer_tests.py --transformers "$(TRANSFORMERS_TESTS)" --out $(PEER_OUT) --jobs $(PEER_JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,7 +38,7 @@ from . import density, kernels
 from .cache import DECODE_MAX_QUERY
 from .config import config_value, stored_config
 from .methods import METHODS
-from .padding import holds_no_padding, padding_layout, row_layout
+from .padding import holds_no_padding, row_layout
 from .recording import recording
 from .selection import RowLayout
 
@@ -313,8 +313,8 @@ def _rows(call: Call) -> RowLayout | None:
 
 def _short_rows(call: Call, rows: RowLayout, threshold: int) -> torch.Tensor | None:
     """bool ``[B]``: the rows shorter than ``threshold`` (which alone run dense), where some may be; else None. A
-    static decode step compares on the device (a CUDA graph replays it while the rows grow); other calls only
-    where the shortest row is below it on the host."""
+    static decode step compares on the device whenever rows differ in length: a CUDA graph captured now replays for
+    later steps, and for a later sequence with the same padding layout, whose rows may be shorter than these."""
     if rows.high == 0:
         return None
     if call.static:
@@ -440,23 +440,28 @@ GLOBAL = "global attention (query phase)"
 
 @dataclass(frozen=True)
 class StarPlan:
-    """What a Star call runs: ``path`` ``DENSE`` (global attention over every key, ``global_queries`` of them
-    being all the call's queries), ``ALL_BLOCKS`` (a static decode step), or ``SPARSE`` (the first
-    ``context_queries`` queries through the context pattern, the rest global)."""
+    """What a Star call runs: ``path`` ``DENSE`` (global attention: every query over every key), ``ALL_BLOCKS`` (a
+    static decode step), or ``SPARSE`` (the first ``context_queries`` queries through the context pattern, with
+    ``full_rows`` given every causal block; the rest global). ``rows``: the padding layout, where the mask is left
+    padding."""
 
     path: str
     rule: str
     phase: str
     reason: str | None = None
     context_queries: int = 0
+    rows: RowLayout | None = None
+    full_rows: torch.Tensor | None = None
 
 
 def plan_star(call: Call, run: Any) -> StarPlan:
-    """Star's rules, in order: ``inputs``; ``static`` (generation over a static cache: every block, lengths on the
-    device); ``query`` (a call without context queries: global attention); ``dense_layer``; ``length`` (a context
-    shorter than dense_below); ``pattern`` (one process: the pattern keeps more than dense_above_density of the causal
-    blocks); else ``context`` (SPARSE). ``run`` is :func:`hf_sparse.star_attention.generate`'s state of the forward
-    (None for a plain generate(), whose prompt's last ``query_tokens`` tokens are the query)."""
+    """Star's rules, in order: ``inputs`` (and sliding windows longer than the window: refused); ``static``
+    (generation over a static cache: every block, lengths on the device); ``query`` (a call without context queries:
+    global attention); ``dense_layer``; ``length`` (a context shorter than dense_below); ``pattern`` (one process:
+    the pattern keeps more than dense_above_density of the causal blocks); ``mask`` (a 4D mask), ``padding`` (not
+    left padding), ``dropout``: DENSE; else ``context`` (SPARSE; rows whose own context is shorter than dense_below
+    get every causal block). ``run`` is :func:`hf_sparse.star_attention.generate`'s state of the forward (None for
+    a plain generate(), whose prompt's last ``query_tokens`` tokens are the query)."""
     from .methods.star import StarMethod
 
     config = call.config
@@ -487,19 +492,17 @@ def plan_star(call: Call, run: Any) -> StarPlan:
         if kept > config.dense_above_density:
             return StarPlan(DENSE, "pattern", CONTEXT_PHASE, f"the pattern keeps {kept:.3f} of the causal blocks > "
                             f"dense_above_density {config.dense_above_density}", context_queries)
-    return StarPlan(SPARSE, "context", CONTEXT_PHASE, None, context_queries)
-
-
-def star_short_rows(rows: RowLayout, context_queries: int, threshold: int) -> torch.Tensor | None:
-    """bool ``[B]``: the rows whose own context is shorter than ``threshold`` (alone they run dense), where some
-    may be; else None."""
-    if rows.high == 0 or context_queries - rows.high >= threshold:
-        return None
-    return (context_queries - rows.starts) < threshold
-
-
-def padded_rows(attention_mask: torch.Tensor | None, batch: int, key_length: int,
-                device: torch.device) -> RowLayout:
-    """The left-padding layout of a call whose path needs one whatever its mask holds (Star's context, a static
-    cache's layers): :func:`hf_sparse.padding.padding_layout`."""
-    return padding_layout(attention_mask, batch, key_length, device, validate=False)
+    mask = call.attention_mask
+    if mask is not None and mask.dim() != 2:
+        return StarPlan(DENSE, "mask", CONTEXT_PHASE, f"a {mask.dim()}D attention mask", context_queries)
+    rows = row_layout(mask, call.query.shape[0], call.key_length, call.query.device)
+    if rows is None:
+        warn_once("padding", "hf_sparse: an attention mask with masked slots after unmasked ones (right padding) "
+                  "runs dense attention (sdpa); left padding (padding_side='left') runs sparse")
+        return StarPlan(DENSE, "padding", CONTEXT_PHASE, "not left padding", context_queries)
+    if call.dropout:
+        return StarPlan(DENSE, "dropout", CONTEXT_PHASE, f"attention dropout {call.dropout}", context_queries)
+    full_rows = None
+    if rows.high and context_queries - rows.high < threshold:  # rows whose own context runs dense alone
+        full_rows = (context_queries - rows.starts) < threshold
+    return StarPlan(SPARSE, "context", CONTEXT_PHASE, None, context_queries, rows, full_rows)

@@ -116,15 +116,15 @@ def star_attention_forward(
     if decided.path == plan.ALL_BLOCKS:  # generation over a static cache (CUDA-graph decode)
         _record_dense(call.layer_idx, decided.phase, decided.reason)
         return all_blocks_decode(query, layer, scale, logn_base, {}), None
-    rows = None
-    if attention_mask is None or attention_mask.dim() == 2:
-        rows = row_layout(attention_mask, query.shape[0], call.key_length, query.device)
-    if rows is not None and (cache_layer is not None or getattr(layer, "static", False)) \
-            and layer.row_layout is None:
+    rows = decided.rows
+    if (cache_layer is not None or getattr(layer, "static", False)) and layer.row_layout is None:
         # The padding picks the int8 values' layout; a static layer keeps it for its decode steps.
-        layer.set_padding(rows)
-        if cache_layer is not None:
-            value = cache_layer.values
+        if rows is None and (attention_mask is None or attention_mask.dim() == 2):
+            rows = row_layout(attention_mask, query.shape[0], call.key_length, query.device)
+        if rows is not None:
+            layer.set_padding(rows)
+            if cache_layer is not None:
+                value = cache_layer.values
     if logn_base is not None:  # a positive factor per query: the same in every phase, kernel and rank
         # by true positions (the model's position_ids): global ones on every rank
         query = logn_scaled(query, attention_mask, call.key_length, logn_base, kwargs.get("position_ids"))
@@ -141,13 +141,6 @@ def star_attention_forward(
         return _global_attention(module, config, queries, key, value, attention_mask, cache_layer, dropout, scaling,
                                  scale, **kwargs)
 
-    if decided.path == plan.SPARSE and (rows is None or dropout):
-        reason = "not left padding" if rows is None else f"attention dropout {dropout}"
-        decided = plan.StarPlan(plan.DENSE, "padding" if rows is None else "dropout", plan.CONTEXT_PHASE, reason,
-                                decided.context_queries)
-        if rows is None:
-            plan.warn_once("padding", "hf_sparse: an attention mask with masked slots after unmasked ones (right "
-                           "padding) runs dense attention (sdpa); left padding (padding_side='left') runs sparse")
     if decided.path == plan.DENSE:
         logger.debug("layer %d: dense (%s)", call.layer_idx, decided.reason)
         _record_dense(call.layer_idx, decided.phase, decided.reason)
@@ -160,11 +153,10 @@ def star_attention_forward(
     context_queries = decided.context_queries
     selection = StarMethod(config).context_selection(query.shape[0], key.shape[1], context_queries, query.device,
                                                      run.prefix_tokens if run is not None else 0)
-    full_rows = plan.star_short_rows(rows, context_queries, config.dense_threshold(plan.CONTEXT_PHASE))
-    if full_rows is not None:  # rows whose own context is short run dense alone: every causal block here
+    if decided.full_rows is not None:  # rows whose own context is short run dense alone: every causal block here
         last_block = kernels.reference.tile_last_blocks(selection.num_query_tiles, selection.query_tile,
                                                         context_queries, 0, rows.starts, selection.block_size)
-        selection = selection.with_full_rows(full_rows, last_block,
+        selection = selection.with_full_rows(decided.full_rows, last_block,
                                              kernels.reference.num_row_blocks(context_queries, rows,
                                                                               selection.block_size))
     context = slice(0, context_queries)
