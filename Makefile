@@ -25,11 +25,11 @@ demo: $(STAMP)
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 # The suite, then the Triton kernels against their references in Triton's CPU interpreter, and the model
-# tests whose Triton variants need it.
+# tests whose Triton variants need it (the tests the first run skips for want of the interpreter).
 test: $(STAMP)
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs -n $(JOBS) tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_equivalence.py -k "triton or probe"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_equivalence.py tests/test_plan.py tests/test_softcap_sinks.py -k triton
 
 # The GPU tests (on a machine with CUDA): Triton compiles in each worker, so several workers share the one GPU.
 GPU_JOBS ?= 8

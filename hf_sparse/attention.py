@@ -21,6 +21,7 @@ from .config import method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .gates import get_gate_weight
 from .methods import METHODS
+from .padding import row_layout
 from .plan import ALL_BLOCKS, DENSE, Call, Plan
 from .recording import LayerRecord, record, recording
 from .selection import BlockSelection, RowLayout
@@ -47,6 +48,8 @@ def sparse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return forward_dense_attention(module, query, key, value, attention_mask, dropout, scaling, unmasked, kwargs)
     call = Call(method, method_config(module.config, method), module, query, key, attention_mask, layer, kwargs,
                 dropout)
+    if call.phase == "decode" and getattr(layer, "static", False) and layer.row_layout is None:
+        _keep_padding(call)
     decided = plan.plan_call(call)
     if decided.path == DENSE:
         plan.remember_forward(call, decided)
@@ -67,6 +70,17 @@ def forward_dense_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     if unmasked:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _keep_padding(call: Call) -> None:
+    """A static cache layer keeps its sequence's padding layout for the decode steps (with it a step reads its
+    lengths on the device, :attr:`~hf_sparse.plan.Call.static`, as a CUDA graph's replays do); a prefill that ran
+    dense leaves it to the first decode step, whose mask holds the same padding."""
+    mask = call.attention_mask
+    rows = None if mask is not None and mask.dim() != 2 else row_layout(mask, call.query.shape[0], call.key_length,
+                                                                          call.query.device)
+    if rows is not None:  # (a mask that is not left padding runs dense: rules `mask`, `padding`)
+        call.layer.set_padding(rows)
 
 
 @torch.compiler.disable
