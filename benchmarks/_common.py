@@ -380,12 +380,12 @@ def interleaved(model: torch.nn.Module, methods: list[str], rounds: int, call) -
     return times
 
 
-def method_name(value: str) -> str:
-    """argparse type of a method name: "sdpa", "sdpa-static" or a valid :func:`sparse_config` name."""
-    if value not in ("sdpa", "sdpa-static"):
+def method_name(value: str, dense: tuple[str, ...] = ("sdpa", "sdpa-static")) -> str:
+    """argparse type of a method name: one of the ``dense`` names or a valid :func:`sparse_config` name."""
+    if value not in dense:
         try:
             if sparse_config(value) is None:
-                raise ValueError("not plas, xattn or star")
+                raise ValueError(f"not {', '.join(dense)}, plas, xattn or star")
         except (ValueError, KeyError, TypeError) as error:
             raise argparse.ArgumentTypeError(f"{value!r}: {error}") from None
     return value

@@ -56,7 +56,7 @@ from hf_sparse.eval import filler_ids, held_out_sequences, passkey_found, passke
 from hf_sparse.methods.star import StarMethod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cell, environment, header, save_figure, sparse_config, table, write_json  # noqa: E402
+from _common import cell, environment, header, method_name, save_figure, sparse_config, table, write_json  # noqa: E402
 
 DEFAULT_LENGTHS = [8192, 16384, 32768, 65536, 131072]
 DEFAULT_METHODS = ["sdpa", "plas", "xattn", "star"]
@@ -66,16 +66,9 @@ HAYSTACKS = ("filler", "prose")
 # -- arguments ----------------------------------------------------------------------------------------------------
 
 
-def method_name(value: str) -> str:
-    """argparse type: "sdpa" or a plas / xattn / star name as benchmarks/_common.sparse_config reads it."""
-    if value == "sdpa":
-        return value
-    try:
-        if sparse_config(value) is None:
-            raise ValueError("not sdpa, plas, xattn or star")
-    except (ValueError, KeyError, TypeError) as error:
-        raise argparse.ArgumentTypeError(f"{value!r}: {error}") from None
-    return value
+def quality_method(value: str) -> str:
+    """argparse type: "sdpa" or a plas / xattn / star name (benchmarks/_common.method_name)."""
+    return method_name(value, dense=("sdpa",))
 
 
 @dataclass
@@ -538,7 +531,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
-    parser.add_argument("--methods", type=method_name, nargs="+", default=DEFAULT_METHODS,
+    parser.add_argument("--methods", type=quality_method, nargs="+", default=DEFAULT_METHODS,
                         help="sdpa (the dense reference, run first even when not named), plas, xattn, star, or "
                              "NAME-field=value variants (as in bench_generate.py: plas-prefill_top_k=[40:48])")
     parser.add_argument("--model", default="default",
