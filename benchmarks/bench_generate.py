@@ -49,6 +49,13 @@ Models (--model): "llama3-8b-random" (default; Llama-3-8B shape, random weights,
 Random weights give i.i.d.-like queries and keys: selections are nearly dense there and such a run measures
 overhead, not a speed-up.
 
+Several GPUs (--parallel): "device-map" splits the layers evenly over the visible GPUs (accelerate's dispatch_model,
+as from_pretrained(device_map=...) does); "tp" runs under torchrun, one process per GPU, the model loaded with
+from_pretrained(tp_plan="auto") (a random-weight model is saved to --checkpoint once), every rank timing the same
+calls and rank 0 reporting. Peak memory is then the fullest GPU's; steps@N are not measured across devices.
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node 2 benchmarks/bench_generate.py \
+        --parallel tp --lengths 32768 131072
+
 Output: the table on stdout, its header holding the device, the torch / triton / transformers versions and the
 date; --json FILE every number (written atomically); --plot FILE.png the speed-ups: TTFT vs sdpa and TPOT vs
 sdpa-static against the prompt length (needs matplotlib).
@@ -69,8 +76,9 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from _common import (add_model_arguments, cell, environment, graph_counts, header, load_model, method_name,
-                     interleaved, progress, require_cuda, save_figure, speedup, table, use_method, write_json)
+from _common import (add_model_arguments, add_parallel_arguments, cell, environment, graph_counts, header,
+                     interleaved, load_model, method_name, progress, rank, require_cuda, save_figure, speedup,
+                     start_parallel, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
 from hf_sparse.eval import fidelity
 
@@ -97,20 +105,32 @@ class StepClock(LogitsProcessor):
         return self.events[0].elapsed_time(self.events[-1]) / (len(self.events) - 1)
 
 
+#: The CUDA devices the model's weights sit on (set by main(); several where its layers are split over GPUs).
+MODEL_GPUS: list[int] = []
+
+
+def _gpus(device: torch.device) -> list[int]:
+    """The CUDA devices a run with inputs on ``device`` synchronises and measures: the model's."""
+    return (MODEL_GPUS or [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda" else [])
+
+
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for index in _gpus(device):
+        torch.cuda.synchronize(index)
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start a peak-memory measurement on ``device`` (CUDA's allocator statistics; none elsewhere)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    """Start a peak-memory measurement on the GPUs (CUDA's allocator statistics; none elsewhere)."""
+    for index in _gpus(device):
+        torch.cuda.reset_peak_memory_stats(index)
 
 
 def peak_gib(device: torch.device) -> float | None:
-    """The most memory allocated on ``device`` since :func:`reset_peak`, weights included, in GiB; None off CUDA."""
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    """The most memory allocated on one GPU since :func:`reset_peak` (the fullest one where the model spans
+    several), weights included, in GiB; None off CUDA."""
+    gpus = _gpus(device)
+    return max(torch.cuda.max_memory_allocated(index) for index in gpus) / 2**30 if gpus else None
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None = None,
@@ -155,7 +175,7 @@ def measure(model, ids: torch.Tensor, method: str, tpot_tokens: list[int], repea
         for _ in range(repeats * max(1, 64 // new_tokens)):
             first_s = timed_generate(model, ids, 1, **extra)[0]
             before = graph_counts(model)
-            clock = StepClock() if ids.is_cuda else None
+            clock = StepClock() if ids.is_cuda and len(MODEL_GPUS) <= 1 else None  # events time one stream
             elapsed, tokens = timed_generate(model, ids, new_tokens, clock=clock, **extra)
             after = graph_counts(model)
             decode_s.append(elapsed - first_s)
@@ -342,6 +362,7 @@ def replot(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default="llama3-8b-random")
+    add_parallel_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+",
                         help="prompt lengths (default: 4096 .. 131072 for smollm2, else 32768 131072)")
     parser.add_argument("--methods", nargs="+", type=method_name, default=["sdpa", "sdpa-static", "plas", "xattn"],
@@ -375,9 +396,11 @@ def main() -> None:
         parser.error("--segment-vocab applies to the random models; smollm2 runs on real text")
     lengths = args.lengths or DEFAULT_LENGTHS.get(args.model, [32768, 131072])
     require_cuda("bench_generate.py")
+    start_parallel(args)
     env = environment()
     loaded = load_model(args)
     model = loaded.model
+    MODEL_GPUS[:] = sorted({parameter.device.index for parameter in model.parameters() if parameter.is_cuda})
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     described = loaded.description + (f", {args.segment_vocab} ids per 2048-token segment" if args.segment_vocab
@@ -397,7 +420,8 @@ def main() -> None:
             if sparse and args.fidelity:
                 report = fidelity(model, ids, use_method(model, method), last_n=256, with_recall=False)
                 row["kl"], row["kl_last"], row["top1"] = report.kl, report.kl_last, report.top1_agreement
-            progress(" ".join(f"{key}={value}" for key, value in row.items() if key not in ("tokens", "config")))
+            if rank() == 0:
+                progress(" ".join(f"{key}={value}" for key, value in row.items() if key not in ("tokens", "config")))
         if args.ttft_rounds:
             ttft = interleaved_ttft(model, ids, args.methods, args.ttft_rounds)
             for row in at_length:
@@ -405,9 +429,11 @@ def main() -> None:
                 row["ttft_alone_s"], row["ttft_s"] = row["ttft_s"], statistics.median(ttft[row["method"]])
         add_ratios(at_length, args.tpot_tokens)
         rows += at_length
-        if args.json:  # after each length: a run cut short keeps the lengths it finished
+        if args.json and rank() == 0:  # after each length: a run cut short keeps the lengths it finished
             write_json(args.json, {"environment": env, "model": described,
                                    "arguments": {**vars(args), "lengths": lengths}, "rows": rows})
+    if rank() != 0:
+        return
     print_table(rows, args.tpot_tokens, env, described, args.repeats)
     if args.plot:
         plot(rows, args.tpot_tokens, args.plot, f"{described}\n{header(env)}")

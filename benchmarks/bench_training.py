@@ -10,7 +10,8 @@ Throughput does not depend on the weights, so ``--model smollm2-random`` measure
 ``--loss-curve CHECKPOINT --png FILE`` (no GPU) plots the per-step loss history a training run's checkpoint holds
 (``gate_training_checkpoint.safetensors``), with a 50-step moving mean. ``--loss-curve LOG.jsonl`` plots a
 long-context adapter run's log instead (``hf-sparse train-long-context`` writes it beside the adapter): the language
-model loss per step, one colour per sequence length, and the tokens per second.
+model loss per step, one colour per sequence length, and the tokens per second; a ``hf-sparse train-gates`` log
+(``OUT/gate_training.log.jsonl``): the distillation loss and the held-out KL and recall of its evaluations.
 """
 from __future__ import annotations
 
@@ -83,6 +84,59 @@ def long_context_curve(log: str, png: str) -> dict:
     return summary
 
 
+def gate_log_curve(log: str, png: str) -> dict:
+    """Plot a ``train-gates`` JSON-lines log: the distillation loss per step (50-step mean) and, where the run
+    evaluated, the gates' held-out KL and recall against training tokens; its summary."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(log, encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    steps = [row for row in rows if "loss" in row]
+    evals = [row for row in rows if "eval" in row]
+    if not steps:
+        raise SystemExit(f"{log} holds no training steps")
+    window = min(50, len(steps))
+    tokens = [row["tokens"] / 1e6 for row in steps]
+    smooth = moving_mean([row["loss"] for row in steps], window)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(tokens, [row["loss"] for row in steps], lw=0.5, alpha=0.4, label="per step")
+    left.plot(tokens, smooth, lw=1.5, label=f"mean of {window} steps")
+    left.set_xlabel("training tokens (millions)")
+    left.set_ylabel("distillation loss (mean over layers)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    if evals:
+        eval_tokens = [row["tokens"] / 1e6 for row in evals]
+        right.plot(eval_tokens, [row["eval"]["kl"] for row in evals], "o-", label="held-out KL")
+        right.set_ylabel("held-out KL (gate vs dense block distribution)")
+        if "recall" in evals[0]["eval"]:
+            twin = right.twinx()
+            twin.plot(eval_tokens, [row["eval"]["recall"] for row in evals], "s--", color="tab:green",
+                      label="held-out recall")
+            twin.set_ylabel("recall at the evaluation density")
+        right.set_xlabel("training tokens (millions)")
+        right.grid(alpha=0.3)
+        right.legend(fontsize=8, loc="upper right")
+    last = steps[-1]
+    fig.suptitle(f"PLAS gates: {len(steps)} steps, {last['tokens'] / 1e6:.1f}M tokens, "
+                 f"{last['tokens_per_second']:,.0f} tokens/s (last call)", fontsize=9)
+    save_figure(fig, png)
+    summary = {"steps": len(steps), "tokens": last["tokens"], "tokens_per_second": last["tokens_per_second"],
+               "first_mean": smooth[window - 1], "last_mean": smooth[-1],
+               "held_out_kl": [(row["step"], row["eval"]["kl"]) for row in evals]}
+    held_out = (f"; held-out KL {evals[0]['eval']['kl']:.4f} (step {evals[0]['step']}) -> "
+                f"{evals[-1]['eval']['kl']:.4f} (step {evals[-1]['step']})" if evals else "")
+    print(f"{summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens ({summary['tokens_per_second']:,.0f} "
+          f"tokens/s): loss {summary['first_mean']:.4f} (first {window} steps) -> {summary['last_mean']:.4f} (last "
+          f"{window}){held_out}")
+    return summary
+
+
 def loss_curve(checkpoint: str, png: str) -> None:
     import json
 
@@ -130,8 +184,10 @@ def main() -> None:
     parser.add_argument("--png", help="with --loss-curve: the plot's file")
     args = parser.parse_args()
     if args.loss_curve:
-        if args.loss_curve.endswith(".jsonl"):
+        if args.loss_curve.endswith(".jsonl") and "seq_length" in open(args.loss_curve, encoding="utf-8").readline():
             long_context_curve(args.loss_curve, args.png or "long_context_loss.png")
+        elif args.loss_curve.endswith(".jsonl"):  # a train-gates log
+            gate_log_curve(args.loss_curve, args.png or "gate_loss.png")
         else:
             loss_curve(args.loss_curve, args.png or "gate_loss.png")
         return

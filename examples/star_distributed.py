@@ -18,6 +18,9 @@ download, for timing and for the 1-process vs n-process comparison (no pass key 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --nproc-per-node 2 examples/star_distributed.py --random-model --tokens 131072 --block-size 8192
+    # Llama-3-8B shape (issue: Star on 2 and 4 GPUs at 128K-512K), one GPU against 2
+    python examples/star_distributed.py --random-model llama3-8b --tokens 524288 --block-size 16384 --time-dense
+    torchrun --nproc-per-node 2 examples/star_distributed.py --random-model llama3-8b --tokens 524288 --block-size 16384
 """
 from __future__ import annotations
 
@@ -61,12 +64,21 @@ def sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def random_model(device: torch.device, dtype: torch.dtype, seed: int):
-    """Llama-3.2-1B shaped (hidden 2048, 16 layers, 32 q / 8 kv heads, head dim 64), random weights from ``seed``:
-    built on ``device`` with the same seed on every rank, so all ranks hold the same weights."""
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=262144,
-                         rope_theta=500000.0, tie_word_embeddings=True)
+#: Random-weight shapes (``--random-model``): Llama-3.2-1B and Llama-3-8B.
+SHAPES = {
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def random_model(device: torch.device, dtype: torch.dtype, seed: int, shape: str = "llama3.2-1b",
+                 layers: int | None = None):
+    """``shape`` (:data:`SHAPES`; ``layers`` of them, default all) with random weights from ``seed``: built on
+    ``device`` with the same seed on every rank, so all ranks hold the same weights."""
+    fields = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=1048576, rope_theta=500000.0, **fields)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="star").eval()
@@ -90,8 +102,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-dense", action="store_true", help="also time a dense (sdpa) prefill of the context")
     parser.add_argument("--save", help="write the generated token ids and logits here (rank 0; torch.save of a dict)")
-    parser.add_argument("--random-model", action="store_true",
-                        help="Llama-3.2-1B shaped model with random weights and random token ids (no download)")
+    parser.add_argument("--random-model", nargs="?", const="llama3.2-1b", default=None, choices=sorted(SHAPES),
+                        help="a model of this shape (default llama3.2-1b) with random weights and random token ids "
+                             "(no download)")
+    parser.add_argument("--layers", type=int, default=None, help="--random-model: this many layers (default: all)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
     args = parser.parse_args()
@@ -100,7 +114,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = StarConfig(block_size=args.block_size, anchor_size=args.anchor_size)
     if args.random_model:
-        model, tokenizer, key = random_model(device, dtype, args.seed), None, None
+        model, tokenizer, key = random_model(device, dtype, args.seed, args.random_model, args.layers), None, None
         weights = sum(p.float().sum().item() for p in list(model.parameters())[:4])  # same on every rank
         ids = torch.randint(0, model.config.vocab_size, (1, args.tokens + 16),
                             generator=torch.Generator().manual_seed(args.seed + 1))

@@ -69,3 +69,15 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, group: Any = None) -> t
     stacked = torch.stack(gathered)
     merged, merged_lse = kernels.merge_lse(stacked[..., :-1].contiguous(), stacked[..., -1].contiguous())
     return merged.to(out.dtype), merged_lse
+
+
+def tensor_parallel_kwargs(plan: Any = "auto") -> dict[str, Any]:
+    """``from_pretrained``'s keyword arguments for tensor parallelism with ``plan`` on the installed transformers:
+    ``tp_plan=plan`` up to 5.17, ``distributed_config=DistributedConfig(tp_plan=plan)`` from 5.18 (which deprecates
+    the former)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release >= (5, 18) and hasattr(transformers, "DistributedConfig"):
+        return {"distributed_config": transformers.DistributedConfig(tp_plan=plan)}
+    return {"tp_plan": plan}

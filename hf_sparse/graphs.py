@@ -11,6 +11,10 @@ forward unchanged. A new cache, a re-allocated or reordered one, or a new batch 
 so does a sequence crossing the method's ``dense_below`` (below it every layer decodes all blocks, through the same
 decode kernel).
 
+A model whose decoder layers sit on several GPUs (``device_map``) captures one graph per run of consecutive layers
+on one device (:class:`_Segment`; a CUDA graph holds one device's work): its decode steps run the embedding, the
+hand-over between devices and the head eagerly, and replay each device's layers. Its layers run unfused.
+
 Between ``generate()`` calls a model keeps its :class:`DecodeState`: the static cache ``generate()`` made (reset and
 reused by the next call whose prompt fits it, :func:`reusable_cache`) and the captured graphs, which point at that
 cache's storage. A later call that fits therefore allocates nothing and captures nothing: its first decode step
@@ -106,9 +110,119 @@ class GraphStats:
 class _Captured:
     """One captured decode step: the graph, its input buffers and its output's buffers."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
     inputs: dict[str, torch.Tensor]
-    output: tuple[type, dict[str, Any], str]
+    output: tuple[type, dict[str, Any], str] | None
+    segments: list[_Segment] | None = None  # a model spread over devices: one graph per segment instead
+
+
+@dataclass
+class _Segment:
+    """Consecutive decoder layers on one device, captured as one graph in a model spread over several devices: the
+    layers, and once captured the graph, its inputs (the first layer's arguments, copied to this device) and its
+    output (the last layer's)."""
+
+    device: torch.device
+    layers: list[torch.nn.Module]
+    graph: torch.cuda.CUDAGraph | None = None
+    inputs: Any = None
+    output: Any = None
+
+
+def device_segments(model: torch.nn.Module) -> list[tuple[torch.device, list[torch.nn.Module]]] | None:
+    """(device, decoder layers) for each run of consecutive decoder layers on one CUDA device,
+    in layer order; None when the layers sit on one device. A decoder layer is a module holding an attention child
+    that knows its ``layer_idx`` (transformers' decoder models)."""
+    layers: list[tuple[int, torch.device, torch.nn.Module]] = []
+    for module in model.modules():
+        index = next((getattr(child, "layer_idx", None) for child in module._modules.values()
+                      if isinstance(getattr(child, "layer_idx", None), int)), None)
+        weight = next(module.parameters(), None)
+        if index is not None and weight is not None:
+            layers.append((index, weight.device, module))
+    return consecutive_runs(layers)
+
+
+def consecutive_runs(layers: list[tuple[int, torch.device, Any]]) -> list[tuple[torch.device, list]] | None:
+    """(device, modules) per run of consecutive ``(layer index, device, module)`` entries on one CUDA device, in
+    index order; None for fewer than two devices or any device not CUDA."""
+    layers = sorted(layers, key=lambda entry: entry[0])
+    if len({device for _, device, _ in layers}) < 2 or any(device.type != "cuda" for _, device, _ in layers):
+        return None
+    segments: list[tuple[torch.device, list]] = []
+    for _, device, module in layers:
+        if not segments or segments[-1][0] != device:
+            segments.append((device, []))
+        segments[-1][1].append(module)
+    return segments
+
+
+def _to_static(value: Any, device: torch.device) -> Any:
+    """A captured graph's input buffer for ``value`` (tensors copied to ``device``; tuples, lists and dicts walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, copy=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_static(item, device) for item in value)
+    if isinstance(value, dict):
+        return {name: _to_static(item, device) for name, item in value.items()}
+    return value
+
+
+def _copy_into(buffer: Any, value: Any) -> None:
+    """Copy ``value`` into the input buffer :func:`_to_static` made from a value of its structure."""
+    if isinstance(buffer, torch.Tensor):
+        buffer.copy_(value)
+    elif isinstance(buffer, (tuple, list)):
+        for item_buffer, item in zip(buffer, value):
+            _copy_into(item_buffer, item)
+    elif isinstance(buffer, dict):
+        for name, item_buffer in buffer.items():
+            _copy_into(item_buffer, value[name])
+
+
+class _LayerStep:
+    """A decoder layer's ``forward`` while a decode step of a model spread over devices replays: the first layer of
+    a segment replays (or captures) the segment's graph, the others hand the hidden states on; inside a capture the
+    layer's own forward runs."""
+
+    def __init__(self, segment: _Segment, position: int, original: Any) -> None:
+        self.segment, self.position, self.original = segment, position, original
+        self.capturing = False
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        segment = self.segment
+        if self.capturing:
+            return self.original(hidden_states, *args, **kwargs)
+        if self.position:
+            return hidden_states if not isinstance(segment.output, tuple) else (hidden_states,)
+        if segment.graph is None:
+            _capture_segment(segment, (hidden_states, args, kwargs))
+        _copy_into(segment.inputs, (hidden_states, args, kwargs))
+        with torch.cuda.device(segment.device):
+            segment.graph.replay()
+        return segment.output
+
+
+def _capture_segment(segment: _Segment, arguments: tuple) -> None:
+    """Capture ``segment``'s layers over copies of the first layer's ``arguments`` on its device's capture stream."""
+    device = segment.device
+    segment.inputs = _to_static(arguments, device)
+    hidden, args, kwargs = segment.inputs
+    steps = [layer.__dict__["forward"] for layer in segment.layers]
+    graph = torch.cuda.CUDAGraph()
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for step in steps:
+        step.capturing = True
+    try:
+        with torch.cuda.device(device), torch.cuda.graph(graph, stream=stream):
+            output = hidden
+            for layer in segment.layers:
+                output = layer(output[0] if isinstance(output, tuple) else output, *args, **kwargs)
+    finally:
+        for step in steps:
+            step.capturing = False
+    segment.graph, segment.output = graph, output
 
 
 #: Captured graphs a model keeps at once (one per graph key: step width, below / above ``dense_below``, ...).
@@ -123,10 +237,13 @@ def _take_padding(cache: SparseCache, attention_mask: torch.Tensor | None, batch
     layers = [layer for layer in cache.layers if layer.row_layout is None]
     if layers and layers[0].length == 0:
         return False
-    if layers:
-        rows = padding_layout(attention_mask, batch, layers[0].length + steps, layers[0].device, validate=False)
-        for layer in layers:
-            layer.set_padding(rows)
+    layouts: dict[torch.device, Any] = {}  # one per device (a model spread over GPUs keeps layers on each)
+    for layer in layers:
+        rows = layouts.get(layer.device)
+        if rows is None:
+            rows = layouts[layer.device] = padding_layout(attention_mask, batch, layers[0].length + steps,
+                                                          layer.device, validate=False)
+        layer.set_padding(rows)
     return True
 
 
@@ -154,6 +271,8 @@ class DecodeGraphs:
         implementation = getattr(model.config, "_attn_implementation", None) if model is not None else None
         graphed = implementation in GRAPH_METHODS and not window_layers(model.config)
         self._method = (implementation, method_config(model.config, implementation)) if graphed else None
+        several = graphed and torch.cuda.is_available() and torch.cuda.device_count() > 1
+        self._segments = device_segments(model) if several else None
 
     def detach(self) -> None:
         """Let go of the model's ``forward`` (kept graphs stay)."""
@@ -177,6 +296,9 @@ class DecodeGraphs:
             if key not in self._warm:
                 self._warm.add(key)
                 return self._on_capture_stream(kwargs)
+            if self._segments is not None:  # captured segment by segment inside the step
+                segments = [_Segment(device, layers) for device, layers in self._segments]
+                return self._segmented_step(self._keep(key, _Captured(None, {}, None, segments)), cache, kwargs)
             try:
                 captured = self._capture(cache, kwargs, key)
             except Exception as error:  # noqa: BLE001 - any capture failure: decode eagerly from now on
@@ -184,6 +306,8 @@ class DecodeGraphs:
                 logger.warning("hf_sparse: %s; decoding eagerly", self.stats.disabled_reason)
                 self._forget()
                 return self.forward(**kwargs)
+        if captured.segments is not None:
+            return self._segmented_step(captured, cache, kwargs)
         return self._replay(captured, cache, kwargs)
 
     # -- which calls -------------------------------------------------------------------------------------
@@ -240,13 +364,66 @@ class DecodeGraphs:
         return fused_modules(model, enabled=config.decode_compile, layers=config.decode_fused_layers)
 
     def _on_capture_stream(self, kwargs: dict[str, Any]) -> Any:
-        """An eager step on the capture stream: what capture needs then exists (compiled kernels, buffers)."""
-        device = kwargs["input_ids"].device
-        stream = capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), self._fused():
+        """An eager step on the capture stream (of each device the layers sit on): what capture needs then exists
+        (compiled kernels, buffers)."""
+        devices = ([kwargs["input_ids"].device] if self._segments is None
+                   else list(dict.fromkeys(device for device, _ in self._segments)))
+        with contextlib.ExitStack() as streams:
+            for device in devices:
+                stream = capture_stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                streams.enter_context(torch.cuda.stream(stream))
+            if self._segments is None:
+                streams.enter_context(self._fused())
             output = self.forward(**self._call_arguments(kwargs, {}))
-        torch.cuda.current_stream(device).wait_stream(stream)
+        for device in devices:
+            torch.cuda.current_stream(device).wait_stream(capture_stream(device))
+        return output
+
+    def _keep(self, key: tuple, captured: _Captured) -> _Captured:
+        """Keep ``captured`` under ``key`` (at most :data:`MAX_GRAPHS`, the oldest let go first)."""
+        while len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = captured
+        return captured
+
+    def _segmented_step(self, captured: _Captured, cache: SparseCache, kwargs: dict[str, Any]) -> Any:
+        """A decode step of a model spread over devices: the model's forward runs eagerly, each segment's first
+        layer replays the segment's graph (capturing it first where this key has none yet), the segment's other
+        layers hand the hidden states on (:class:`_LayerStep`)."""
+        segments = captured.segments
+        capturing = any(segment.graph is None for segment in segments)
+        lengths = [layer.length for layer in cache.layers] if capturing else None
+        cache.prepare_replay()
+        installed = []
+        for segment in segments:
+            for position, layer in enumerate(segment.layers):
+                installed.append((layer, "forward" in layer.__dict__, layer.__dict__.get("forward")))
+                layer.__dict__["forward"] = _LayerStep(segment, position, layer.forward)
+        try:
+            output = self.forward(**self._call_arguments(kwargs, {}))
+        except Exception as error:  # noqa: BLE001 - a failed capture: decode eagerly from now on
+            if not capturing:
+                raise
+            output = None
+            self.stats.disabled_reason = f"CUDA graph capture failed ({type(error).__name__}: {error})"
+            logger.warning("hf_sparse: %s; decoding eagerly", self.stats.disabled_reason)
+        finally:
+            for layer, had, previous in installed:
+                if had:
+                    layer.__dict__["forward"] = previous
+                else:
+                    layer.__dict__.pop("forward", None)
+        if capturing:  # capture ran the Python side of the captured layers (host lengths advanced): undo it
+            for layer, length in zip(cache.layers, lengths):
+                layer.length = length
+                layer._views()
+        if output is None:
+            self._forget()
+            return self.forward(**kwargs)
+        self.stats.captures += sum(1 for segment in segments if segment.graph is not None) if capturing else 0
+        cache.advance_host_length(kwargs["input_ids"].shape[1])
+        self.stats.replays += 1
         return output
 
     def _capture(self, cache: SparseCache, kwargs: dict[str, Any], key: tuple) -> _Captured:
@@ -267,9 +444,7 @@ class DecodeGraphs:
         # Keep the output's buffers, not its cache: the cache must be freed when generate() lets it go.
         fields = {name: value for name, value in output.items() if name not in CACHE_KWARGS}
         cache_field = next((name for name in CACHE_KWARGS if name in output.keys()), CACHE_KWARGS[0])
-        while len(self._graphs) >= MAX_GRAPHS:
-            self._graphs.pop(next(iter(self._graphs)))
-        captured = self._graphs[key] = _Captured(graph, inputs, (type(output), fields, cache_field))
+        captured = self._keep(key, _Captured(graph, inputs, (type(output), fields, cache_field)))
         self.stats.captures += 1
         return captured
 

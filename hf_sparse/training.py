@@ -41,6 +41,8 @@ TARGET_CHUNK_BYTES = 256 * 1024 * 1024
 #: File (in the output folder) holding the resumable training state.
 CHECKPOINT_FILENAME = "gate_training_checkpoint.safetensors"
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+#: The clock of :func:`train_gates`'s time budget and log (a test replaces it).
+_now = time.monotonic
 #: What :func:`gate_distillation_loss` minimises (see :class:`GateTrainingConfig`).
 OBJECTIVES = ("kl", "ranking")
 #: Stands for "not choosable" in the ranking objective's logits: finite, so no gradient turns NaN.
@@ -126,6 +128,7 @@ class GateTrainingResult:
     tokens: int
     resumed_from: int = 0
     path: Path | None = None
+    stopped: str = "done"  # or "deadline": checkpointed before the last step, nothing attached; run again to resume
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -438,6 +441,10 @@ def train_gates(
     overwrite: bool = False,
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
+    log_path: str | os.PathLike | None = None,
+    evaluate: Callable[[dict[int, torch.Tensor]], dict[str, float]] | None = None,
+    eval_every: int = 0,
+    max_minutes: float | None = None,
 ) -> GateTrainingResult:
     """Distil PLAS gates for ``model`` from its own dense attention on ``dataset``; attach and return them.
 
@@ -448,7 +455,18 @@ def train_gates(
     steps and on SIGINT/SIGTERM (the run then raises ``KeyboardInterrupt``); calling again with the same
     arguments resumes and ends with the same gates as an uninterrupted run. ``on_step(step, loss)`` is called
     after every step.
+
+    ``log_path``: one JSON line per step (step, tokens, loss, lr, seconds and tokens per second of this call) and
+    per evaluation (appended to when resuming). ``evaluate(gates)`` (layer -> current gate) returns held-out
+    metrics, logged before the first step of a fresh run (the initial gates: mean pooling) and every
+    ``eval_every`` steps and after the last. ``max_minutes``: this call's wall-clock budget: the run stops before a
+    step that would pass it, writes a checkpoint (with ``output_dir``) and returns ``stopped="deadline"`` without
+    attaching gates; the same call resumes it.
     """
+    if max_minutes is not None and not (isinstance(max_minutes, (int, float)) and max_minutes > 0):
+        raise ValueError(f"max_minutes must be > 0 or None, got {max_minutes!r}")
+    if not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
     config = config if config is not None else GateTrainingConfig()
     spec = gate_spec(model, config.block_size)
     if config.seq_length % spec.block_size:
@@ -496,11 +514,36 @@ def train_gates(
 
     from tqdm.auto import tqdm
 
+    tokens_per_step = config.batch_size * config.seq_length
+    log = open(log_path, "a" if start else "w", encoding="utf-8") if log_path is not None else None
+    run_start, last_step_seconds, stopped = _now(), 0.0, "done"
+
+    def write(record: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    def run_evaluation(done: int) -> None:
+        value = evaluate({layer: parameter.detach().float() for layer, parameter in gates.items()})
+        write({"step": done, "tokens": done * tokens_per_step, "eval": value})
+        logger.info("held-out evaluation at step %d: %s", done, value)
+
     bar = tqdm(total=steps, initial=start, desc="train gates", unit="step", disable=not progress)
     step = start
     try:
+        if evaluate is not None and start == 0:
+            run_evaluation(0)
         with _GracefulStop(checkpoint is not None) as stopper:
             for step in range(start, steps):
+                elapsed = _now() - run_start
+                if max_minutes is not None and elapsed + 1.1 * last_step_seconds > 60.0 * max_minutes:
+                    stopped = "deadline"
+                    if checkpoint is not None:
+                        _save_checkpoint(checkpoint, step, gates, optimizer, losses, fingerprint)
+                    logger.warning("gate training stopped at the deadline after step %d of %d%s", step, steps,
+                                   f"; checkpoint {checkpoint}: run again to resume" if checkpoint else "")
+                    break
+                step_start = _now()
                 optimizer.zero_grad(set_to_none=True)
                 layer_losses.clear()
                 batch = sequences[order[step]].to(device)
@@ -510,9 +553,17 @@ def train_gates(
                 optimizer.step()
                 loss = float(torch.stack(list(layer_losses.values())).mean())
                 losses.append(loss)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
                 done = step + 1
+                now = _now()
+                last_step_seconds = now - step_start
+                rate = (done - start) * tokens_per_step / max(now - run_start, 1e-9)
+                write({"step": done, "tokens": done * tokens_per_step, "loss": loss,
+                       "lr": optimizer.param_groups[0]["lr"], "seconds": round(now - run_start, 3),
+                       "tokens_per_second": round(rate, 1)})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+                if evaluate is not None and (done == steps or (eval_every and done % eval_every == 0)):
+                    run_evaluation(done)
                 if on_step is not None:
                     on_step(done, loss)
                 if checkpoint is not None and (stopper.requested is not None or done == steps or
@@ -523,11 +574,15 @@ def train_gates(
                                             f"checkpoint {checkpoint}: run again to resume")
     finally:
         bar.close()
+        if log is not None:
+            log.close()
         for parameter, requires_grad in frozen:
             parameter.requires_grad_(requires_grad)
         model.train(was_training)
 
     trained = {layer: parameter.detach().float().clone() for layer, parameter in gates.items()}
+    if stopped == "deadline":
+        return GateTrainingResult(trained, losses, steps, steps * tokens_per_step, start, None, stopped)
     set_gates(model, trained)
     path = write_gate_file(trained, Path(output_dir) / GATE_FILENAME, spec) if output_dir is not None else None
     return GateTrainingResult(trained, losses, steps, steps * config.batch_size * config.seq_length, start, path)
@@ -660,6 +715,9 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
                     f"{GATE_FILENAME} to --out. Re-running the same command resumes an interrupted run.",
     )
     parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
+    parser.add_argument("--long-context", nargs="?", const=True, default=None, metavar="ADAPTER",
+                        help="with --model default: the long-context default model (YaRN and the shipped adapter, or "
+                             "this adapter file; hf_sparse.default_model.load_default_model(long_context=True))")
     parser.add_argument("--data", nargs="+", required=True,
                         help="text files, globs (** allowed) or folders; 'stdlib' = the standard library's package "
                              "sources (hf_sparse.eval.stdlib_training_files)")
@@ -688,6 +746,19 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
                         help="model dtype; auto = bfloat16 on GPU, float32 on CPU (gates always train in float32)")
     parser.add_argument("--overwrite", action="store_true", help="discard an existing checkpoint in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--log", default=None,
+                        help="JSON-lines log: every step (loss, tokens/s) and held-out evaluation (default: "
+                             "OUT/gate_training.log.jsonl)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="held-out evaluation every N steps (and before the first and after the last): KL, top-1 "
+                             "and recall of the gates against dense attention on held-out prose "
+                             "(hf_sparse.eval.held_out_sequences; 0 = none)")
+    parser.add_argument("--eval-sequences", type=int, default=1, help="held-out sequences per evaluation")
+    parser.add_argument("--eval-length", type=int, default=None, help="their tokens (default: --seq-length)")
+    parser.add_argument("--eval-density", type=float, default=0.25, help="selection density of the recall metric")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="this call's time budget: stop cleanly before a step that would pass it (checkpoint "
+                             "written; the same command resumes)")
     parser.set_defaults(run=_run_train_gates)
     return parser
 
@@ -698,14 +769,24 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    if args.model == "default":
-        from .default_model import default_model_dir
+    if args.long_context is not None and args.model != "default":
+        raise SystemExit("--long-context needs --model default (other models: load them with rope scaling yourself)")
+    if args.long_context is not None:
+        from .default_model import load_default_model
 
-        path = str(default_model_dir())
+        adapter = None if args.long_context is True else args.long_context
+        model, tokenizer = load_default_model(dtype=dtype, device=device, long_context=True, adapter_path=adapter,
+                                              max_length=max(args.seq_length, args.eval_length or 0))
+        model.eval()
     else:
-        path = args.model
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+        if args.model == "default":
+            from .default_model import default_model_dir
+
+            path = str(default_model_dir())
+        else:
+            path = args.model
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
     layers = tuple(int(i) for i in args.layers.split(",") if i) if args.layers else None
     config = GateTrainingConfig(seq_length=args.seq_length, batch_size=args.batch_size, max_tokens=args.tokens,
                                 learning_rate=args.lr, warmup_steps=args.warmup_steps, block_size=args.block_size,
@@ -716,12 +797,30 @@ def _run_train_gates(args: argparse.Namespace) -> int:
 
     patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]
     texts = read_text_files(patterns)
+    evaluate = None
+    if args.eval_every:
+        from .eval import held_out_sequences
+
+        held_out = held_out_sequences(tokenizer, args.eval_length or args.seq_length, args.eval_sequences).to(device)
+
+        def evaluate(gates: dict[int, torch.Tensor]) -> dict[str, float]:
+            metrics = evaluate_gates(model, held_out, gates, density=args.eval_density, layers=layers,
+                                     block_size=args.block_size)
+            return {name: getattr(metrics, name) for name in ("kl", "top1", "recall", "oracle_recall", "density")}
+
     times: list[float] = []
+    log = args.log if args.log is not None else str(Path(args.out) / "gate_training.log.jsonl")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     result = train_gates(model, texts, config, tokenizer=tokenizer, output_dir=args.out, overwrite=args.overwrite,
-                         progress=not args.no_progress, on_step=lambda step, loss: times.append(time.perf_counter()))
+                         progress=not args.no_progress, on_step=lambda step, loss: times.append(time.perf_counter()),
+                         log_path=log, evaluate=evaluate, eval_every=args.eval_every, max_minutes=args.max_minutes)
+    if result.stopped == "deadline":
+        print(f"stopped at the --max-minutes deadline after {len(result.losses)} of {result.steps} "
+              f"steps; checkpoint in {args.out}: run the same command again to resume; log {log}")
+        return 0
     first, last = result.losses[0], result.losses[-1]
     print(f"trained {len(result.gates)} layer gate(s) on {result.tokens} tokens in {result.steps} steps: "
-          f"loss {first:.4f} -> {last:.4f}; wrote {result.path}")
+          f"loss {first:.4f} -> {last:.4f}; wrote {result.path}; log {log}")
     if len(times) > 1:
         rate = (len(times) - 1) * config.batch_size * config.seq_length / (times[-1] - times[0])
         print(f"this run: {len(times)} steps, {rate:,.0f} training tokens/s ({rate * 60 / 1e6:.2f}M per minute)")

@@ -91,6 +91,15 @@ def full_density(block_size: int = 16) -> hf_sparse.PLASConfig:
                                 dense_below=0, dense_layers=(), query_union=32)
 
 
+def graph_config(method: str, **fields):
+    """A small-block PLAS or XAttention config that selects on tiny models' inputs (the CUDA-graph tests')."""
+    fields = {"dense_below": 0, **fields}
+    if method == "plas":
+        return hf_sparse.PLASConfig(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), query_union=32,
+                                    **fields)
+    return hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, **fields)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, sdpa attention."""

@@ -215,3 +215,26 @@ def test_long_context_curve_summarises_a_training_log(tmp_path):
     assert summary["first_mean"] == pytest.approx(3.0 - 0.01 * 9.5) and summary["last_mean"] == pytest.approx(
         3.0 - 0.01 * 19.5)
     assert bench_training.moving_mean([1.0, 2.0, 3.0], 2) == [1.0, 1.5, 2.5]
+
+
+def test_gate_log_curve_summarises_a_gate_training_log(tmp_path):
+    """bench_training.py --loss-curve OUT/gate_training.log.jsonl: loss means and the held-out KL of each
+    evaluation, in order."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    import bench_training
+
+    log = tmp_path / "gate_training.log.jsonl"
+    rows = [{"step": 0, "tokens": 0, "eval": {"kl": 0.9, "recall": 0.5}}]
+    for i in range(60):
+        rows.append({"step": i + 1, "tokens": (i + 1) * 64, "loss": 1.0 - 0.01 * i, "lr": 1e-3, "seconds": i + 1.0,
+                     "tokens_per_second": 64.0})
+        if (i + 1) % 30 == 0:
+            rows.append({"step": i + 1, "tokens": (i + 1) * 64, "eval": {"kl": 0.9 - 0.1 * (i + 1) / 30,
+                                                                         "recall": 0.6}})
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = bench_training.gate_log_curve(str(log), str(tmp_path / "gates.png"))
+    assert (summary["steps"], summary["tokens"]) == (60, 3840) and (tmp_path / "gates.png").is_file()
+    assert summary["first_mean"] == pytest.approx(1.0 - 0.01 * 24.5)
+    assert summary["held_out_kl"] == [(0, 0.9), (30, pytest.approx(0.8)), (60, pytest.approx(0.7))]

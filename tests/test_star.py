@@ -279,6 +279,31 @@ def test_generate_errors():
         star_attention.generate_from_context(model, star_attention.encode_context(model, ids[:, :30]), ids[0, 30:])
 
 
+def test_sharded_context_refuses_a_tensor_parallel_model(monkeypatch):
+    """Star's context sharding and tensor parallelism would use the same ranks: refused up front, by name."""
+    config = tiny_config("llama", 4, 2)
+    model = star_model(config, StarConfig(block_size=16))
+    model._tp_size = 2  # what from_pretrained(tp_plan=...) sets
+    monkeypatch.setattr(distributed, "is_distributed", lambda group=None: True)
+    monkeypatch.setattr(distributed, "rank_and_world", lambda group=None: (0, 2))
+    with pytest.raises(ValueError, match="tensor parallelism .*tp_size 2"):
+        star_attention.encode_context(model, torch.randint(3, 128, (1, 40)))
+
+
+
+def test_tensor_parallel_kwargs_follow_the_installed_transformers(monkeypatch):
+    """tp_plan= up to transformers 5.17, distributed_config= from 5.18 (tests/test_multi_gpu.py loads through it)."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert distributed.tensor_parallel_kwargs() == {"tp_plan": "auto"}
+    if hasattr(transformers, "DistributedConfig"):
+        monkeypatch.setattr(transformers, "__version__", "5.24.0")
+        kwargs = distributed.tensor_parallel_kwargs({"layers.*.self_attn.q_proj": "colwise"})
+        assert list(kwargs) == ["distributed_config"]
+        assert kwargs["distributed_config"].tp_plan == {"layers.*.self_attn.q_proj": "colwise"}
+
+
 # -- two processes (gloo) ---------------------------------------------------------------------------------------
 DIST_CONFIG = dict(block_size=32, anchor_size=16, logn_scaling=True, logn_base=16,  # logN: global positions per rank
                    dense_above_density=None)

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import build, tiny_config
+from conftest import build, graph_config, tiny_config
 
 import hf_sparse
 from hf_sparse import SparseCache, kernels
@@ -554,15 +554,6 @@ def test_static_decode_after_a_dense_prefill(method, monkeypatch):
     assert [static for phase, static in decided if phase == "decode"] == [True] * 3 * 3
 
 
-def graph_config(method: str, **fields):
-    """A small-block PLAS or XAttention config for the CUDA-graph tests."""
-    fields = {"dense_below": 0, **fields}
-    if method == "plas":
-        return hf_sparse.PLASConfig(block_size=16, prefill_top_k=(3, 4), decode_top_k=(3, 4), query_union=32,
-                                    **fields)
-    return hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.6, decode_threshold=0.6, **fields)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("method, dtype, kv_dtype", [("plas", torch.float32, "auto"), ("plas", torch.bfloat16, "auto"),
@@ -833,3 +824,28 @@ def test_dependent_launch_decodes_what_stream_order_does(method, monkeypatch):
     assert torch.equal(runs["1"].sequences, runs["0"].sequences)
     assert all(torch.equal(a, b) for a, b in zip(runs["1"].scores, runs["0"].scores))
     hf_sparse.graphs.release(model)
+
+
+def test_layer_runs_per_device_and_segment_buffers():
+    """A model spread over devices: its decoder layers group into runs of consecutive layers on one GPU (one
+    captured graph each); a segment's input buffers copy tensors nested in tuples and dicts and keep the rest."""
+    from hf_sparse.graphs import _copy_into, _to_static, consecutive_runs, device_segments
+
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    layers = [(i, cuda[0] if i < 2 or i == 4 else cuda[1], f"layer{i}") for i in (3, 0, 1, 2, 4)]
+    assert consecutive_runs(layers) == [(cuda[0], ["layer0", "layer1"]), (cuda[1], ["layer2", "layer3"]),
+                                        (cuda[0], ["layer4"])]
+    assert consecutive_runs([(0, cuda[0], "a"), (1, cuda[0], "b")]) is None  # one device: one graph
+    assert consecutive_runs([(0, torch.device("cpu"), "a"), (1, cuda[1], "b")]) is None
+    assert device_segments(build(tiny_config(layers=3), "plas")) is None
+
+    marker = object()
+    value = (torch.arange(3.0), ((torch.ones(2), torch.zeros(2)), None),
+             {"cache": marker, "positions": torch.arange(2)})
+    buffers = _to_static(value, torch.device("cpu"))
+    assert buffers[0] is not value[0] and torch.equal(buffers[0], value[0])
+    assert buffers[2]["cache"] is marker and buffers[1][1] is None
+    _copy_into(buffers, (value[0] + 1, ((value[1][0][0] * 5, value[1][0][1] - 1), None),
+                         {"cache": marker, "positions": value[2]["positions"] + 7}))
+    assert torch.equal(buffers[0], torch.arange(1.0, 4.0)) and torch.equal(buffers[1][0][0], torch.full((2,), 5.0))
+    assert torch.equal(buffers[1][0][1], -torch.ones(2)) and torch.equal(buffers[2]["positions"], torch.tensor([7, 8]))

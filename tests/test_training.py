@@ -197,6 +197,62 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(smollm2, tmp_path):
         gates.set_gates(model, None)
 
 
+def test_log_held_out_evaluations_and_a_deadline_that_resumes(smollm2, tmp_path, monkeypatch):
+    """The JSON-lines log holds every step and the held-out evaluations (before the first step: the initial gates,
+    mean pooling; every eval_every steps; after the last); a time budget stops the run between steps with a
+    checkpoint and nothing attached, and the same call resumes to the uninterrupted result, appending to the log."""
+    import json
+
+    model, tokenizer = smollm2
+    texts = _texts()
+    seen = []
+
+    def evaluate(current):
+        seen.append({layer: gate.clone() for layer, gate in current.items()})
+        return {"mean_gate": float(sum(gate.mean() for gate in current.values()) / len(current))}
+
+    def read(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    try:
+        reference = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
+                                         progress=False, log_path=tmp_path / "a.jsonl", evaluate=evaluate,
+                                         eval_every=4)
+        lines = read(tmp_path / "a.jsonl")
+        steps = [line for line in lines if "loss" in line]
+        evals = [line for line in lines if "eval" in line]
+        assert [line["step"] for line in steps] == list(range(1, 11))
+        assert [line["loss"] for line in steps] == reference.losses
+        assert all(line["tokens"] == line["step"] * SEQ and line["tokens_per_second"] > 0 for line in steps)
+        assert [line["step"] for line in evals] == [0, 4, 8, 10]
+        assert all(torch.all(gate == 1.0 / BLOCK) for gate in seen[0].values()), "step 0: the initial gates"
+        assert all(torch.equal(seen[-1][i], reference.gates[i]) for i in LAYERS), "the last: the trained gates"
+        assert evals[0]["eval"] == {"mean_gate": pytest.approx(1.0 / BLOCK)}
+
+        clock = iter(range(0, 10_000, 10))  # each reading of the clock 10 s later: steps of 10 s
+        monkeypatch.setattr(training, "_now", lambda: next(clock))
+        gates.set_gates(model, None)
+        stopped = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+                                       progress=False, log_path=tmp_path / "b.jsonl", evaluate=evaluate,
+                                       eval_every=4, max_minutes=1.0)
+        assert stopped.stopped == "deadline" and stopped.path is None and len(stopped.losses) == 2
+        assert not gates.get_gates(model), "nothing attached at a deadline"
+        assert not (tmp_path / "b" / gates.GATE_FILENAME).exists()
+        monkeypatch.setattr(training, "_now", __import__("time").monotonic)
+        resumed = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+                                       progress=False, log_path=tmp_path / "b.jsonl", evaluate=evaluate,
+                                       eval_every=4)
+        assert resumed.resumed_from == 2 and resumed.losses == reference.losses
+        assert all(torch.equal(resumed.gates[i], reference.gates[i]) for i in LAYERS)
+        lines = read(tmp_path / "b.jsonl")
+        assert [line["step"] for line in lines if "loss" in line] == list(range(1, 11))
+        assert [line["step"] for line in lines if "eval" in line] == [0, 4, 8, 10]
+        with pytest.raises(ValueError, match="max_minutes"):
+            training.train_gates(model, texts, _config(), tokenizer=tokenizer, progress=False, max_minutes=0)
+    finally:
+        gates.set_gates(model, None)
+
+
 def test_cli_train_gates(smollm2, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
@@ -239,6 +295,44 @@ def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch
     from hf_sparse.eval import stdlib_training_files
 
     assert len(seen["texts"]) == len(stdlib_training_files()) + 1 and seen["texts"][-1] == "x = 1\n"
+
+
+def test_cli_train_gates_long_context_log_eval_and_deadline(smollm2, tmp_path, monkeypatch, capsys):
+    """--long-context loads the long-context default model at the run's length; --log, --eval-every (held-out
+    prose through evaluate_gates) and --max-minutes reach train_gates; a deadline stop says how to resume."""
+    import hf_sparse.default_model as default_model
+
+    model, tokenizer = smollm2
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen["load"] = kwargs
+        return model, tokenizer
+
+    def fake_train(model, texts, config, **kwargs):
+        seen.update(kwargs)
+        seen["metrics"] = kwargs["evaluate"]({})
+        return training.GateTrainingResult({}, [0.5, 0.4], 9, 9 * SEQ, 0, None, "deadline")
+
+    monkeypatch.setattr(default_model, "load_default_model", fake_load)
+    monkeypatch.setattr(training, "train_gates", fake_train)
+    monkeypatch.setattr(training, "evaluate_gates", lambda *args, **kwargs: training.GateMetrics(
+        kl=0.5, top1=0.25, kl_all=0.0, top1_all=0.0, recall=0.75, oracle_recall=0.875, density=0.25, per_layer={}))
+    (tmp_path / "own.py").write_text("x = 1\n" * 50)
+    out = tmp_path / "out"
+    code = cli_main(["train-gates", "--model", "default", "--long-context", "--data", str(tmp_path / "own.py"),
+                     "--tokens", str(SEQ), "--out", str(out), "--seq-length", str(SEQ), "--eval-every", "5",
+                     "--eval-length", str(2 * SEQ), "--max-minutes", "7.5", "--no-progress", "--device", "cpu"])
+    assert code == 0
+    assert seen["load"]["long_context"] is True and seen["load"]["adapter_path"] is None
+    assert seen["load"]["max_length"] == 2 * SEQ
+    assert seen["eval_every"] == 5 and seen["max_minutes"] == 7.5
+    assert seen["log_path"] == str(out / "gate_training.log.jsonl")
+    assert seen["metrics"] == {"kl": 0.5, "top1": 0.25, "recall": 0.75, "oracle_recall": 0.875, "density": 0.25}
+    assert "stopped at the --max-minutes deadline after 2 of 9 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--long-context needs --model default"):
+        cli_main(["train-gates", "--model", str(tmp_path), "--long-context", "--data", str(tmp_path / "own.py"),
+                  "--tokens", str(SEQ), "--out", str(out)])
 
 
 def test_evaluate_gates_mean_pooling_equals_constant_gates():
