@@ -315,14 +315,18 @@ def _split_layers(model: torch.nn.Module) -> torch.nn.Module:
     return dispatch_model(model, device_map=split)
 
 
-def _tensor_parallel(model: torch.nn.Module, checkpoint: Path) -> torch.nn.Module:
-    """The random-weight ``model`` (built on each rank alike) under tensor parallelism: rank 0 saves it to
-    ``checkpoint`` (once: a folder already there is reused), every rank loads it with ``tp_plan="auto"``."""
+def _tensor_parallel(loaded: LoadedModel, checkpoint: Path) -> torch.nn.Module:
+    """``loaded``'s random-weight model (built on each rank alike) under tensor parallelism: rank 0 saves it to
+    ``checkpoint`` (once: a folder already there is reused), the full weights are let go on every rank, and every
+    rank loads its shard with ``tp_plan="auto"``."""
     import shutil
 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from hf_sparse.distributed import tensor_parallel_kwargs
+
+    model, loaded.model = loaded.model, None
     if rank() == 0 and not (checkpoint / "config.json").exists():
         partial = checkpoint.with_name(checkpoint.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -331,8 +335,6 @@ def _tensor_parallel(model: torch.nn.Module, checkpoint: Path) -> torch.nn.Modul
     del model
     torch.cuda.empty_cache()
     dist.barrier()
-    from hf_sparse.distributed import tensor_parallel_kwargs
-
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                 **tensor_parallel_kwargs()).eval()
 
@@ -353,17 +355,17 @@ def start_parallel(args: argparse.Namespace) -> None:
 def load_model(args: argparse.Namespace) -> LoadedModel:
     """The ``--model`` of ``args`` in bfloat16 on the GPU (or spread over the GPUs, ``--parallel``), sdpa
     attention, eval mode."""
-    loaded = _load_one(args)
     parallel = getattr(args, "parallel", "none")
+    if parallel == "tp" and args.model == "smollm2":
+        raise SystemExit("--parallel tp takes a random-weight --model (it saves the model to load it back)")
+    loaded = _load_one(args)
     if parallel == "device-map":
         loaded.model = _split_layers(loaded.model)
         loaded.description += f", layers split over {torch.cuda.device_count()} GPUs (device_map)"
     elif parallel == "tp":
-        if loaded.tokenizer is not None:
-            raise SystemExit("--parallel tp takes a random-weight --model (it saves the model to load it back)")
         import torch.distributed as dist
 
-        loaded.model = _tensor_parallel(loaded.model, args.checkpoint)
+        loaded.model = _tensor_parallel(loaded, args.checkpoint)
         loaded.description += f", tensor parallel over {dist.get_world_size()} GPUs (tp_plan='auto')"
     return loaded
 

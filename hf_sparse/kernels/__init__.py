@@ -89,16 +89,16 @@ def _triton_ops_present() -> bool:
 _SEVERAL_DEVICES: list[bool] = []
 
 
-def _on_device(tensor: torch.Tensor, op, *args, **kwargs):
-    """``op(*args, **kwargs)`` with ``tensor``'s CUDA device current: Triton launches on the current device, and a
-    model whose layers sit on several GPUs (``device_map``) calls the ops of a layer on cuda:1 while cuda:0 is
-    current. One process-wide check on a single-GPU machine."""
+def _on_device(op, tensor: torch.Tensor, *args, **kwargs):
+    """``op(tensor, *args, **kwargs)`` with ``tensor``'s CUDA device current: Triton launches on the current device,
+    and a model whose layers sit on several GPUs (``device_map``) calls the ops of a layer on cuda:1 while cuda:0
+    is current. One process-wide check on a single-GPU machine."""
     if not _SEVERAL_DEVICES:
         _SEVERAL_DEVICES.append(torch.cuda.is_available() and torch.cuda.device_count() > 1)
     if _SEVERAL_DEVICES[0] and tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
         with torch.cuda.device(tensor.device):
-            return op(*args, **kwargs)
-    return op(*args, **kwargs)
+            return op(tensor, *args, **kwargs)
+    return op(tensor, *args, **kwargs)
 
 
 def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_blocks=None, *, out=None,
@@ -107,7 +107,7 @@ def block_summaries(keys, gate_weight, kv_start, block_size, first_block=0, num_
     result in place when given. int8 ``keys`` come with their per-token ``key_scale`` and are dequantised to
     ``dtype`` (in registers on Triton; the PyTorch path dequantises only the slots the blocks cover)."""
     if backend_for(keys) == "triton":
-        return _on_device(keys, _TRITON_OPS[0].block_summaries, keys, gate_weight, kv_start, block_size, first_block,
+        return _on_device(_TRITON_OPS[0].block_summaries, keys, gate_weight, kv_start, block_size, first_block,
                           num_blocks, out=out, key_scale=key_scale, dtype=dtype)
     result = _reference_summaries(keys, gate_weight, kv_start, block_size, first_block, num_blocks, key_scale, dtype)
     return result if out is None else out.copy_(result)
@@ -119,8 +119,8 @@ def recent_block_summaries(keys, gate_weight, kv_start, block_size, length, rece
     dequantised to ``dtype``); see :func:`reference.block_summaries`. The Triton op reads ``length`` on the
     device (CUDA-graph safe)."""
     if backend_for(keys) == "triton":
-        return _on_device(keys, _TRITON_OPS[0].recent_block_summaries, keys, gate_weight, kv_start, block_size,
-                          length, recent, out, key_scale=key_scale, dtype=dtype)
+        return _on_device(_TRITON_OPS[0].recent_block_summaries, keys, gate_weight, kv_start, block_size, length,
+                          recent, out, key_scale=key_scale, dtype=dtype)
     valid = int(length)
     keys = keys[:, :, :valid]
     key_scale = key_scale[:, :, :valid] if key_scale is not None else None
@@ -160,7 +160,7 @@ def _host_length(kwargs: dict, num_queries: int) -> dict:
 def select_blocks(query, summaries, **kwargs):
     """See :func:`reference.select_blocks`; ``length`` (decode, Triton) as in the Triton op."""
     if backend_for(query) == "triton":
-        return _on_device(query, _TRITON_OPS[1].select_blocks, query, summaries, **kwargs)
+        return _on_device(_TRITON_OPS[1].select_blocks, query, summaries, **kwargs)
     return reference.select_blocks(query, summaries, **_host_length(kwargs, query.shape[2]))
 
 
@@ -172,11 +172,11 @@ def sparse_attention(query, key, value, selection, **kwargs):
     if backend_for(query) == "triton":
         prefill_op, decode_op = _TRITON_OPS[2], _TRITON_OPS[3]
         if selection.num_query_tiles == 1 and query.shape[2] <= decode_op.MAX_DECODE_QUERIES:
-            return _on_device(query, decode_op.sparse_decode, query, key, value, selection, **kwargs)
+            return _on_device(decode_op.sparse_decode, query, key, value, selection, **kwargs)
         if kwargs.get("length") is not None:
             raise ValueError("a device-side length is for decode calls (one query tile, at most "
                              f"{decode_op.MAX_DECODE_QUERIES} queries)")
-        return _on_device(query, prefill_op.sparse_prefill, query, key, value, selection, **kwargs)
+        return _on_device(prefill_op.sparse_prefill, query, key, value, selection, **kwargs)
     kwargs = _host_length(kwargs, query.shape[2])
     if "key_length" in kwargs:
         valid = kwargs.pop("key_length")
@@ -190,14 +190,14 @@ def sparse_attention(query, key, value, selection, **kwargs):
 def merge_lse(outputs, lses):
     """See :func:`reference.merge_lse`."""
     if backend_for(outputs) == "triton":
-        return _on_device(outputs, _TRITON_OPS[4].merge_lse, outputs, lses)
+        return _on_device(_TRITON_OPS[4].merge_lse, outputs, lses)
     return reference.merge_lse(outputs, lses)
 
 
 def antidiagonal_block_scores(query, key, **kwargs):
     """See :func:`reference.antidiagonal_block_scores`."""
     if backend_for(query) == "triton":
-        return _on_device(query, _TRITON_OPS[5].antidiagonal_block_scores, query, key, **kwargs)
+        return _on_device(_TRITON_OPS[5].antidiagonal_block_scores, query, key, **kwargs)
     return reference.antidiagonal_block_scores(query, key, **kwargs)
 
 
@@ -205,7 +205,7 @@ def cumulative_threshold_select(mass, available, forced, threshold):
     """See :func:`reference.cumulative_threshold_select`. Rows wider than the kernel's ``MAX_BLOCKS`` run the
     reference (same result)."""
     if backend_for(mass) == "triton" and mass.shape[-1] <= _TRITON_OPS[6].MAX_BLOCKS:
-        return _on_device(mass, _TRITON_OPS[6].cumulative_threshold_select, mass, available, forced, threshold)
+        return _on_device(_TRITON_OPS[6].cumulative_threshold_select, mass, available, forced, threshold)
     return reference.cumulative_threshold_select(mass, available, forced, threshold)
 
 
@@ -215,7 +215,7 @@ def append_kv(key_states, value_states, key_storage, value_storage, length, star
     args = (key_states, value_states, key_storage, value_storage, length, starts, counts, block_size)
     check_append_kv_inputs(*args)
     if backend_for(key_states) == "triton":
-        return _on_device(key_states, _TRITON_OPS[9].append_kv, *args)
+        return _on_device(_TRITON_OPS[9].append_kv, *args)
     return reference.append_kv(*args)
 
 
@@ -225,8 +225,7 @@ def decode_linear(x, weights, biases, norm_weight=None, eps=0.0, residual=None, 
     weights, biases = tuple(weights), tuple(biases)
     check_decode_linear_inputs(x, weights, biases, norm_weight, residual, gated, rotary)
     if backend_for(x) == "triton":
-        return _on_device(x, _TRITON_OPS[10].decode_linear, x, weights, biases, norm_weight, eps, residual, gated,
-                          rotary)
+        return _on_device(_TRITON_OPS[10].decode_linear, x, weights, biases, norm_weight, eps, residual, gated, rotary)
     return reference.decode_linear(x, weights, biases, norm_weight, eps, residual, gated, rotary)
 
 
@@ -235,12 +234,12 @@ def quantize_append(key_states, value_states, key_storage, value_storage, key_sc
     args = (key_states, value_states, key_storage, value_storage, key_scales, value_scales, start)
     check_append_inputs(*args)
     if backend_for(key_states) == "triton":
-        return _on_device(key_states, _TRITON_OPS[7].quantize_append, *args)
+        return _on_device(_TRITON_OPS[7].quantize_append, *args)
     return reference.quantize_append(*args)
 
 
 def pooled_block_logits(query, key, block_size, scale, q_offset=0, pool="max"):
     """See :func:`reference.pooled_block_logits` (gate distillation's targets; no logit matrix on Triton)."""
     if backend_for(query) == "triton":
-        return _on_device(query, _TRITON_OPS[8].pooled_block_logits, query, key, block_size, scale, q_offset, pool)
+        return _on_device(_TRITON_OPS[8].pooled_block_logits, query, key, block_size, scale, q_offset, pool)
     return reference.pooled_block_logits(query, key, block_size, scale, q_offset, pool)
