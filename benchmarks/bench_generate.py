@@ -45,7 +45,9 @@ its peak. --batch N repeats the prompt N times (peak memory and TPOT of a batch)
 
 Models (--model): "llama3-8b-random" (default; Llama-3-8B shape, random weights, uniform random token ids, or
 --segment-vocab N ids per 2048-token segment), "smollm2-random", and "smollm2": the trained SmolLM2-135M-Instruct
-(hf_sparse.default_model, or --gguf FILE) on the standard library's source text (hf_sparse.eval.stdlib_text).
+(hf_sparse.default_model, or --gguf FILE) on the standard library's source text (hf_sparse.eval.stdlib_text);
+with --long-context its long-context version (load_default_model(long_context=True): YaRN and the shipped adapter),
+the model bench_quality.py --long-context judges the defaults on.
 Random weights give i.i.d.-like queries and keys: selections are nearly dense there and such a run measures
 overhead, not a speed-up.
 
@@ -394,7 +396,7 @@ def main() -> None:
         parser.error("--tpot-tokens: TPOT needs at least 2 new tokens")
     if args.segment_vocab and args.model == "smollm2":
         parser.error("--segment-vocab applies to the random models; smollm2 runs on real text")
-    lengths = args.lengths or DEFAULT_LENGTHS.get(args.model, [32768, 131072])
+    lengths = args.lengths = args.lengths or DEFAULT_LENGTHS.get(args.model, [32768, 131072])
     require_cuda("bench_generate.py")
     start_parallel(args)
     env = environment()

@@ -25,11 +25,14 @@ context and the question as query.
 
 Output: the table last on stdout under a header (device, versions, date, model, rope scaling, texts); --json FILE
 (atomic, rewritten after every row, so a run cut short keeps what it measured); --png FILE (PPL and top-1 against
-length; needs matplotlib, the ``bench`` extra).
+length; needs matplotlib, the ``bench`` extra). --replot A.json B.json ... reprints earlier runs as one table (each
+row judged against its own run's sdpa); --tradeoff FILE.png draws their top-1 against prefill density per length,
+each point labelled with its TTFT speed-up from --speed (bench_generate.py --json files, same method names).
 
     python benchmarks/bench_quality.py --json quality.json --png quality.png               # GPU: 8K-128K
     python benchmarks/bench_quality.py --rope-scaling yarn --lengths 32768 65536 131072    # YaRN for 128K
     python benchmarks/bench_quality.py --lengths 1024 2048 --targets 128 --positions 128   # CPU, minutes
+    python benchmarks/bench_quality.py --replot q1.json q2.json --tradeoff tradeoff.png --speed speed.json
 """
 from __future__ import annotations
 
@@ -526,6 +529,66 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     save_figure(figure, path, "\n".join(textwrap.wrap(title, 160)))
 
 
+def speed_ups(paths: list[str]) -> dict[tuple[int, str], float]:
+    """``(length, method) -> TTFT speed-up over sdpa`` from ``bench_generate.py --json`` files (each ratio within
+    its own run; a later file's figure replaces an earlier one's)."""
+    speeds = {}
+    for path in paths:
+        with open(path) as handle:
+            rows = json.load(handle)["rows"]
+        dense = {row["length"]: row["ttft_s"] for row in rows if row["method"] == "sdpa"}
+        for row in rows:
+            if row["length"] in dense and row["method"] not in ("sdpa", "sdpa-static") and row.get("ttft_s"):
+                speeds[(row["length"], row["method"])] = dense[row["length"]] / row["ttft_s"]
+    return speeds
+
+
+def plot_tradeoff(rows: list[dict], speeds: dict[tuple[int, str], float], path: str, title: str,
+                  budget: Budget) -> None:
+    """Top-1 agreement against prefill density, one panel per length with a sparse row: each method setting a
+    point (filled: within the budget), labelled with its TTFT speed-up over sdpa where ``speeds`` has it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--tradeoff needs matplotlib: pip install 'hf-sparse[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparse = [row for row in rows if row["method"] != "sdpa" and row["density"] is not None]
+    lengths = sorted({row["length"] for row in sparse})
+    if not lengths:
+        raise SystemExit("--tradeoff: no row ran sparse (every density is 'dense')")
+    figure, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.8), squeeze=False)
+    colours = {"plas": "tab:blue", "xattn": "tab:orange", "star": "tab:green"}
+    short = {"prefill_top_k=": "", "threshold=": "", "block_size=": "block ", "dense_layers=": "dense ", ":": ","}
+    for axis, length in zip(axes[0], lengths):
+        points = sorted((row for row in sparse if row["length"] == length), key=lambda row: row["top1"])
+        for index, row in enumerate(points):
+            family = row["method"].split("-")[0]
+            passed = row.get("budget") == "pass"
+            axis.scatter(row["density"], row["top1"], s=46, color=colours.get(family, "tab:gray"),
+                         facecolors=colours.get(family, "tab:gray") if passed else "none", zorder=3)
+            speed = speeds.get((length, row["method"]))
+            setting = " ".join(row["method"].split("-")[1:]) or "(run's defaults)"
+            for long, brief in short.items():
+                setting = setting.replace(long, brief)
+            label = setting + (f"  {speed:.2f}x" if speed else "")
+            axis.annotate(label, (row["density"], row["top1"]), fontsize=6.5, xytext=(5, 5 if index % 2 else -8),
+                          textcoords="offset points", color=colours.get(family, "tab:gray"))
+        if budget.top1 is not None:
+            axis.axhline(budget.top1, color="gray", linestyle="--", linewidth=1)
+        axis.set_title(f"{length // 1024}K tokens" if length % 1024 == 0 else f"{length} tokens", fontsize=10)
+        axis.set_xlabel("prefill density (attended / causal key blocks); label: setting, TTFT vs sdpa")
+        axis.set_ylabel("top-1 agreement with sdpa")
+        axis.grid(True, alpha=0.3)
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colour, label=family)
+               for family, colour in colours.items()]
+    handles.append(plt.Line2D([], [], marker="o", linestyle="", color="black", markerfacecolor="none",
+                              label="outside the budget (filled: within)"))
+    axes[0][0].legend(handles=handles, fontsize=7, loc="lower right")
+    save_figure(figure, path, "\n".join(textwrap.wrap(title, 160)))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -560,9 +623,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="default bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--json", default=None, help="every number, rewritten after each row (atomic)")
     parser.add_argument("--png", default=None, help="PPL and top-1 against length (needs matplotlib)")
-    parser.add_argument("--replot", metavar="JSON", default=None,
-                        help="no run: the table (judged by --budget) and --png of an earlier run's --json")
+    parser.add_argument("--replot", metavar="JSON", nargs="+", default=None,
+                        help="no run: the table (judged by --budget) and --png of earlier runs' --json (several: "
+                             "their rows together, each judged against its own run's sdpa)")
+    parser.add_argument("--tradeoff", metavar="PNG", default=None,
+                        help="with --replot: top-1 against prefill density per length, every method setting a "
+                             "point marked within / outside the budget, with its TTFT speed-up from --speed")
+    parser.add_argument("--speed", metavar="JSON", nargs="+", default=[],
+                        help="with --tradeoff: bench_generate.py --json files whose TTFT speed-ups (same length "
+                             "and method name: a bare name means the defaults of the tree it ran on, so pair runs "
+                             "of one set of defaults) label the points")
     args = parser.parse_args(argv)
+    if (args.tradeoff or args.speed) and not args.replot:
+        parser.error("--tradeoff and --speed draw earlier runs: give their JSON files with --replot")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if any(length < 2 for length in args.lengths):
         parser.error("--lengths must be at least 2 tokens")
@@ -579,12 +652,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def merged_runs(paths: list[str], budget: Budget) -> dict:
+    """The runs of ``paths`` (``--json`` files) as one: the first file's header, texts and settings, every
+    file's rows (each judged against the sdpa row of its own file and length; one sdpa row per length kept)."""
+    merged, runs = None, {}
+    for path in paths:
+        with open(path) as handle:
+            data = json.load(handle)
+        judge(data["rows"], budget)
+        runs[f"{data['environment']['device']} {data['environment']['date'][:10]}"] = None
+        if merged is None:
+            merged = data
+            continue
+        dense = {row["length"] for row in merged["rows"] if row["method"] == "sdpa"}
+        merged["rows"] += [row for row in data["rows"] if row["method"] != "sdpa" or row["length"] not in dense]
+    merged["rows"].sort(key=lambda row: (row["length"], row["method"] != "sdpa"))
+    merged["judged"] = True
+    if len(paths) > 1:
+        merged["title"] = (f"{len(paths)} runs ({'; '.join(runs)}) | {merged['model']} | texts and positions as "
+                           f"each run's settings say")
+    return merged
+
+
 def report(data: dict, budget: Budget, png: str | None) -> None:
     """The table of a run's JSON ``data`` (rows judged against ``budget``), under its header and notes, last on
     stdout; the plot to ``png``."""
     rows, settings, texts = data["rows"], data["settings"], data["texts"]
     title = data.get("title") or data["header"].split(" | texts:")[0]  # "header": files written before 2026-11-28 01:00
-    judge(rows, budget)
+    if not data.get("judged"):
+        judge(rows, budget)
     if png:
         plot(rows, png, title)
     print(f"\n{title} | texts: " + "; ".join(f"{name}: {text}" for name, text in texts.items()))
@@ -603,9 +699,10 @@ def report(data: dict, budget: Budget, png: str | None) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.replot:
-        with open(args.replot) as handle:
-            data = json.load(handle)
+        data = merged_runs(args.replot, args.budget)
         report(data, args.budget, args.png)
+        if args.tradeoff:
+            plot_tradeoff(data["rows"], speed_ups(args.speed), args.tradeoff, data["title"], args.budget)
         return data["rows"]
     lengths = sorted(set(args.lengths))
     per_length = args.rope_scaling == "yarn:per-length"

@@ -250,7 +250,7 @@ def run_sparse(call: Call, decided: Plan, value: torch.Tensor, scaling: float | 
     if decided.probe:
         def select_run(run_query, run_key, run_key_scale, run_offset):
             return select(run_query, summaries, run_key, scale=scale, q_offset=run_offset, kv_start=rows,
-                          key_scale=run_key_scale, probe=True)
+                          key_scale=run_key_scale, probe=True, call_length=key_length)
 
         row_density = density.probe_density(select_run, query, key, scales.get("key_scale"), q_offset, rows,
                                             density.PROBE_QUERIES, config.block_size)

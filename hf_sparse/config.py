@@ -131,15 +131,23 @@ class PLASConfig(_MethodConfig):
 
     Attributes:
         block_size: tokens per KV block (a power of two, >= 16).
-        prefill_top_k: (left, right) range for the number of blocks each query selects in prefill.
+        prefill_top_k: (left, right) range for the number of blocks each query selects in prefill, for keys of
+            up to ``prefill_top_k_length`` tokens.
+        prefill_top_k_length: a prefill call with more keys than this selects proportionally more blocks, each
+            end of the range ``ceil(top_k * keys / prefill_top_k_length)``: the share of the blocks a query keeps
+            stays what it is at this length. ``None``: ``prefill_top_k`` at every length (FastDeploy's rule).
+            Chosen under the quality budget of docs/quality.md on the long-context default model (PPL <= 1.01x
+            dense, top-1 agreement >= 0.97): fixed counts (55, 66) keep top-1 0.964 at 64K and 0.951 at 128K;
+            scaled from 32K, (110, 132) at 64K keeps 0.973 and (220, 264) at 128K 0.975.
         decode_top_k: (left, right) range for the number of blocks each query head selects in decode.
         query_union: consecutive prefill queries whose selections are united (one attention tile).
         query_stride: in prefill only every ``query_stride``-th query of a tile (and its last) runs the threshold
             top-k; the others add only their own block. 1: every query (FastDeploy's selection); at least
             ``query_union``: the tile's last query only. The default 4 selects about 4x faster, and with
             ``prefill_top_k`` 10% above stride 1's (50, 60) it keeps about stride 1's density and next-token KL:
-            SmolLM2 ``generate()`` TTFT at 128K 2.37x -> 2.92x of sdpa's (docs/benchmarks.md). The density
-            probe's selection-cost estimate does not count it (it errs to dense).
+            SmolLM2 ``generate()`` TTFT at 128K 2.37x -> 2.92x of sdpa's at fixed counts (H100,
+            docs/runs/gen_defaults_64k_128k_h100.json). The density probe's selection-cost estimate does not count
+            it (it errs to dense).
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``prefill_top_k[0] * block_size`` for prefill, as FastDeploy, and ``DECODE_DENSE_FACTOR *
@@ -161,7 +169,8 @@ class PLASConfig(_MethodConfig):
             call's density) keeps this fraction less the share of dense time the rest of the selection would
             take (``attention.probe_threshold``: e.g. PLAS at head dim 64 and 32K tokens about 0.43, at 128K
             0.67), the call runs dense (exact) without selecting for the rest. Before any of that, a call whose
-            sparsest possible selection (every query of a tile choosing the same ``prefill_top_k[0]`` blocks,
+            sparsest possible selection (every query of a tile choosing the same blocks, as many as the left end of
+            the prefill range at the call's length,
             ``PLASMethod.density_floor``) already reaches that threshold runs dense with no selection at all.
         density_memory: the dense-or-sparse decision of a layer's prefill is taken once per configuration and
             length bucket (half an octave of key length and of query count) and reused by later calls of that
@@ -198,6 +207,7 @@ class PLASConfig(_MethodConfig):
 
     block_size: int = 128
     prefill_top_k: tuple[int, int] = (55, 66)
+    prefill_top_k_length: int | None = 32768
     decode_top_k: tuple[int, int] = (100, 120)
     query_union: int = 128
     query_stride: int = 4
@@ -223,6 +233,9 @@ class PLASConfig(_MethodConfig):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
         self.prefill_top_k = _as_range("prefill_top_k", self.prefill_top_k)
         self.decode_top_k = _as_range("decode_top_k", self.decode_top_k)
+        if self.prefill_top_k_length is not None and _as_int("prefill_top_k_length", self.prefill_top_k_length) < 1:
+            raise ValueError(f"prefill_top_k_length must be a positive number of tokens or None, "
+                             f"got {self.prefill_top_k_length!r}")
         if _as_int("query_union", self.query_union) < 1:
             raise ValueError(f"query_union must be >= 1, got {self.query_union}")
         if _as_int("query_stride", self.query_stride) < 1:
@@ -240,9 +253,25 @@ class PLASConfig(_MethodConfig):
         _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory",
                      "trim_last_layer")
 
-    def top_k(self, phase: str) -> tuple[int, int]:
-        """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``."""
-        return self.prefill_top_k if phase == "prefill" else self.decode_top_k
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PLASConfig:
+        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``prefill_top_k_length`` existed (every other
+        field, not that one: ``save_pretrained`` of an earlier version) keeps the fixed counts it ran with."""
+        data = dict(data)
+        others = {f.name for f in dataclasses.fields(cls) if f.init} - {"prefill_top_k_length"}
+        if "prefill_top_k_length" not in data and others <= set(data):
+            data["prefill_top_k_length"] = None
+        return super().from_dict(data)
+
+    def top_k(self, phase: str, key_length: int | None = None) -> tuple[int, int]:
+        """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``; a prefill over ``key_length``
+        keys past ``prefill_top_k_length`` scales it with the length (see the field)."""
+        if phase != "prefill":
+            return self.decode_top_k
+        reference = self.prefill_top_k_length
+        if key_length is None or reference is None or key_length <= reference:
+            return self.prefill_top_k
+        return tuple(-(-k * key_length // reference) for k in self.prefill_top_k)
 
     #: Default decode ``dense_below``, in multiples of ``decode_top_k[0]`` blocks (see the field's description).
     DECODE_DENSE_FACTOR = 4
@@ -289,8 +318,8 @@ class PLASConfig(_MethodConfig):
                 enc_limit if enc_limit is not None else prefill[0] * block_size,
                 dec_limit if dec_limit is not None else decode[0] * block_size,
             )
-        return cls(block_size=block_size, prefill_top_k=prefill, decode_top_k=decode, query_stride=1,
-                   dense_below=dense_below)
+        return cls(block_size=block_size, prefill_top_k=prefill, prefill_top_k_length=None, decode_top_k=decode,
+                   query_stride=1, dense_below=dense_below)
 
 
 @dataclass
@@ -311,9 +340,12 @@ class XAttnConfig(_MethodConfig):
             density on SmolLM2) the two are within the spread between inputs, so the paper's stays the default
             (docs/xattn.md, "Where the estimate loses mass").
         threshold: per query tile (prefill) or query (decode), the smallest set of key blocks whose estimated
-            attention mass reaches this fraction is kept, in (0, 1]; 1.0 keeps every causal block.
+            attention mass reaches this fraction is kept, in (0, 1]; 1.0 keeps every causal block. 0.99: the
+            lowest threshold within the quality budget of docs/quality.md at 64K on the long-context default
+            model (top-1 agreement 0.980; 0.98 keeps 0.967, 0.9 0.928); at 128K no threshold up to 0.995 reaches
+            the budget's 0.97 (0.955 at 0.99, docs/xattn.md).
         decode_threshold: the decode phase's threshold (on block-summary scores), in (0, 1]; ``None`` = ``threshold``.
-            Higher than ``threshold`` by default: the summary softmax underestimates peaked blocks (a pass key
+            0.99 even under a lower ``threshold``: the summary softmax underestimates peaked blocks (a pass key
             in 4K tokens of SmolLM2 is lost at 0.95 and kept at 0.99, docs/xattn.md).
         chunk_size: key tokens scored at once in prefill (a multiple of ``block_size``); longer keys use a
             two-pass (log-sum-exp, then mass) softmax over key chunks.
@@ -360,7 +392,7 @@ class XAttnConfig(_MethodConfig):
     block_size: int = 128
     stride: int = 16
     pool: str = "mean"
-    threshold: float = 0.9
+    threshold: float = 0.99
     decode_threshold: float | None = 0.99
     chunk_size: int = 16384
     gqa_reduce: str = "any"
@@ -449,7 +481,9 @@ class StarConfig(_MethodConfig):
 
     Attributes:
         block_size: context tokens per block (a multiple of 16). Block ``i`` attends causally to itself and to
-            the anchor; in distributed runs whole blocks are sharded over ranks.
+            the anchor; in distributed runs whole blocks are sharded over ranks. 16384: within the quality budget
+            of docs/quality.md on the long-context default model at 32K-128K (at 128K top-1 agreement 0.980,
+            PPL 1.002x dense); 4096 and 8192 miss it (128K: 0.878 and 0.916, docs/star.md).
         anchor_size: leading context tokens (the anchor, with their true positions) every block attends besides
             itself; must divide ``block_size``. ``None`` means ``block_size`` (the paper's default).
         query_tokens: the rule for a plain ``generate()``/forward without a past: the last ``query_tokens`` prompt
@@ -477,7 +511,7 @@ class StarConfig(_MethodConfig):
             activations.
     """
 
-    block_size: int = 4096
+    block_size: int = 16384
     anchor_size: int | None = None
     query_tokens: int = 1
     dense_layers: tuple[int, ...] = ()

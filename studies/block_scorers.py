@@ -225,8 +225,8 @@ def scored_select_prefill(method, score, stride, query, summaries, key, *, scale
         logits = score(query[:, :, q0:q1][:, :, rows], key, block, scale, q_offset + q0 + rows)[..., :num_blocks]
         logits = logits.masked_fill(~available[:, None, rows], float("-inf"))
         chosen = torch.zeros(batch, q_heads, q1 - q0, num_blocks, dtype=torch.bool, device=query.device)
-        chosen[:, :, rows] = reference.threshold_topk(logits, available[:, None, rows], config.prefill_top_k,
-                                                      config.search_steps)
+        chosen[:, :, rows] = reference.threshold_topk(logits, available[:, None, rows],
+                                                      config.top_k("prefill", key_length), config.search_steps)
         own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
         forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
         chosen |= (forced[None] & available)[:, None]

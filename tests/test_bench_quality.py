@@ -209,6 +209,47 @@ def test_budget_marks_each_row_against_dense():
             bq.Budget.parse(bad)
 
 
+def _runs(tmp_path):
+    """Two quality runs (each with its own sdpa row) and a bench_generate run, as JSON files."""
+    def run(name, rows):
+        for row in rows:
+            row.update(density=None if row["method"] == "sdpa" else 0.4, kl=0.0, found={"filler": 1, "prose": 1})
+        data = {"environment": {"device": "GPU", "date": "2026-11-28 10:00 UTC"}, "title": name, "model": "tiny",
+                "texts": {"targets": "t"},
+                "settings": {"positions": 16, "skip": 0, "depths": [0.5], "answer_tokens": 2},
+                "rows": rows}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    first = run("a.json", [_row("sdpa", 10.0, 1.0, (True,) * 3), _row("plas", 10.05, 0.98, (True,) * 3)])
+    second = run("b.json", [_row("sdpa", 20.0, 1.0, (True,) * 3), _row("xattn", 20.5, 0.99, (True,) * 3)])
+    speed = tmp_path / "speed.json"
+    speed.write_text(json.dumps({"rows": [{"length": 1024, "method": "sdpa", "ttft_s": 2.0},
+                                          {"length": 1024, "method": "sdpa-static", "ttft_s": 2.0},
+                                          {"length": 1024, "method": "plas", "ttft_s": 0.5}]}))
+    return first, second, str(speed)
+
+
+def test_replot_merges_runs_each_judged_against_its_own_dense(tmp_path, capsys):
+    first, second, speed = _runs(tmp_path)
+    rows = bq.main(["--replot", first, second])
+    assert [(row["method"], row["budget"]) for row in rows] == [("sdpa", "reference"), ("plas", "pass"),
+                                                               ("xattn", "fail: ppl")]
+    assert rows[2]["ppl_ratio"] == pytest.approx(1.025)  # against b.json's sdpa (20.0), not a.json's
+    assert "2 runs (GPU 2026-11-28)" in capsys.readouterr().out
+    assert bq.speed_ups([speed]) == {(1024, "plas"): 4.0}
+    with pytest.raises(SystemExit):
+        bq.parse_args(["--tradeoff", "x.png"])
+
+
+def test_tradeoff_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    first, second, speed = _runs(tmp_path)
+    png = tmp_path / "tradeoff.png"
+    bq.main(["--replot", first, second, "--tradeoff", str(png), "--speed", speed])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 # -- the command ---------------------------------------------------------------------------------------------------
 
 

@@ -238,3 +238,16 @@ def test_gate_log_curve_summarises_a_gate_training_log(tmp_path):
     assert (summary["steps"], summary["tokens"]) == (60, 3840) and (tmp_path / "gates.png").is_file()
     assert summary["first_mean"] == pytest.approx(1.0 - 0.01 * 24.5)
     assert summary["held_out_kl"] == [(0, 0.9), (30, pytest.approx(0.8)), (60, pytest.approx(0.7))]
+
+
+@pytest.mark.parametrize("model, gguf", [("llama3-8b-random", None), ("smollm2", Path("model.gguf"))])
+def test_long_context_takes_the_default_model_only(model, gguf):
+    """--long-context is load_default_model(long_context=True): another --model or a --gguf is refused before
+    anything loads, in every tool that loads through _common."""
+    import argparse
+
+    import _common
+
+    args = argparse.Namespace(model=model, gguf=gguf, long_context=True, layers=None)
+    with pytest.raises(SystemExit, match="--long-context"):
+        _common.load_model(args)

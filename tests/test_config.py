@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -6,6 +7,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_sparse
 from hf_sparse.config import CONFIG_KEY, PLASConfig
+from hf_sparse.kernels import reference
+from hf_sparse.methods.plas import PLASMethod, top_k_density_floor
 
 from conftest import build, tiny_config
 
@@ -20,6 +23,25 @@ def test_defaults_follow_fastdeploy():
     assert config.dense_threshold("prefill") == 55 * 128 and config.dense_threshold("decode") == 4 * 100 * 128
     assert PLASConfig(dense_below=0).dense_threshold("decode") == 0
     assert PLASConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
+
+
+def test_prefill_top_k_grows_with_the_keys_past_its_length():
+    """The prefill range holds up to prefill_top_k_length keys and scales with the keys past it (rounded up), so
+    a query keeps the same share of the blocks: (110, 132) at 64K and (220, 264) at 128K, the settings measured
+    within the quality budget (docs/quality.md); decode and None keep the counts; the density floor follows."""
+    config = PLASConfig()
+    assert config.prefill_top_k_length == 32768
+    assert config.top_k("prefill") == config.top_k("prefill", 32768) == (55, 66)
+    assert config.top_k("prefill", 4096) == (55, 66)
+    assert config.top_k("prefill", 65536) == (110, 132) and config.top_k("prefill", 131072) == (220, 264)
+    assert config.top_k("prefill", 40000) == (68, 81)  # ceil(55 * 40000 / 32768), ceil(66 * 40000 / 32768)
+    assert config.top_k("decode", 131072) == (100, 120)
+    assert PLASConfig(prefill_top_k_length=None).top_k("prefill", 131072) == (55, 66)
+    assert PLASConfig.from_fastdeploy({}).prefill_top_k_length is None
+    floor = PLASMethod(config).density_floor(1024, 131072)
+    assert floor == top_k_density_floor(1024, 131072, 128, 128, 220) > top_k_density_floor(1024, 131072, 128, 128, 55)
+    with pytest.raises(ValueError, match="prefill_top_k_length"):
+        PLASConfig(prefill_top_k_length=0)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -120,3 +142,46 @@ def test_query_stride_below_one_or_not_an_integer_is_refused(stride):
     # Past the tile only its last query searches; the default stride fits any tile.
     assert hf_sparse.PLASConfig(query_union=128, query_stride=129).query_stride == 129
     assert hf_sparse.PLASConfig(query_union=2).query_stride == 4
+
+
+def test_plas_prefill_selects_with_the_scaled_range():
+    """PLASMethod.select_prefill hands the selection the range scaled to the call's key length (queries past a
+    prefix: q_offset counts), the same selection the reference makes with that range and not the given one; the
+    density probe's runs (queries inside a longer call, ``call_length``) select with the call's range."""
+    torch.manual_seed(0)
+    config = PLASConfig(block_size=16, prefill_top_k=(2, 3), prefill_top_k_length=64, query_union=16,
+                        query_stride=2, sink_blocks=1, search_steps=12)
+    query, summaries = torch.randn(1, 4, 96, 8), torch.randn(1, 2, 16, 8)
+    kv_start = torch.zeros(1, dtype=torch.int64)
+    method = PLASMethod(config)
+    assert config.top_k("prefill", 256) == (8, 12) and config.top_k("prefill", 192) == (6, 9)
+
+    def with_range(top_k, queries=query, q_offset=160):
+        return reference.select_blocks(queries, summaries, scale=8 ** -0.5, q_offset=q_offset, kv_start=kv_start,
+                                       block_size=16, top_k=top_k, query_tile=16, head_union=False, sink_blocks=1,
+                                       search_steps=12, query_stride=2)
+
+    def same(a, b):
+        return torch.equal(a.counts, b.counts) and torch.equal(a.indices, b.indices)
+
+    chosen = method.select_prefill(query, summaries, None, scale=8 ** -0.5, q_offset=160, kv_start=kv_start)
+    assert same(chosen, with_range((8, 12))) and not same(chosen, with_range((2, 3)))
+    # a probe run, one searching query per tile: queries 224..255 of a 512-key call (15 and 16 causal blocks)
+    method = PLASMethod(dataclasses.replace(config, query_stride=16))
+    run = query[:, :, :32]
+    probed = method.select_prefill(run, summaries, None, scale=8 ** -0.5, q_offset=224, kv_start=kv_start,
+                                   probe=True, call_length=512)
+    alone = method.select_prefill(run, summaries, None, scale=8 ** -0.5, q_offset=224, kv_start=kv_start)
+    assert probed.counts.tolist() == [[[15, 16]] * 4]  # the call's 16-24 blocks: every causal one
+    assert int(alone.counts.max()) <= 12 + 2  # its own length's 8-12, with the sink and the diagonal block
+
+
+def test_a_plas_config_stored_before_the_length_rule_keeps_its_counts():
+    """from_dict of a full dict without prefill_top_k_length (save_pretrained of an earlier version) keeps the
+    fixed counts it ran with; a partial dict gets the defaults; today's dicts round-trip."""
+    stored = PLASConfig().to_dict()
+    del stored["prefill_top_k_length"]
+    assert PLASConfig.from_dict(stored).prefill_top_k_length is None
+    assert PLASConfig.from_dict({"block_size": 64}).prefill_top_k_length == 32768
+    for config in (PLASConfig(), PLASConfig(prefill_top_k_length=None), PLASConfig(prefill_top_k_length=65536)):
+        assert PLASConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

@@ -27,15 +27,17 @@ def xattn_model(model_config, config: XAttnConfig, seed: int = 0):
 
 # -- config -------------------------------------------------------------------------------------------------
 def test_config_defaults_and_registry():
+    """Threshold 0.99: the lowest within the quality budget at 64K on the long-context model (docs/quality.md)."""
     config = XAttnConfig()
     assert (config.block_size, config.stride, config.pool, config.threshold, config.gqa_reduce) == \
-        (128, 16, "mean", 0.9, "any")
+        (128, 16, "mean", 0.99, "any")
     assert config.dense_last == 128
     assert config.keep_sink and config.keep_diagonal and config.dense_layers == (-1,)
     assert config.dense_threshold("prefill") == 8 * 128 and config.dense_threshold("decode") == 2048 * 128
     assert XAttnConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
     assert config.mass_threshold("decode") == 0.99
-    assert XAttnConfig(decode_threshold=None).mass_threshold("decode") == 0.9
+    assert XAttnConfig(threshold=0.9, decode_threshold=None).mass_threshold("decode") == 0.9
+    assert XAttnConfig(threshold=0.9).mass_threshold("decode") == 0.99
     assert XAttnConfig(dense_last=0, decode_threshold=0.99).mass_threshold("decode") == 0.99
     assert config.is_dense_layer(29, 30) and not config.is_dense_layer(0, 30)
     assert METHODS["xattn"] is XAttnMethod

@@ -33,9 +33,10 @@ class PLASMethod:
     the query, the block summaries and the keys (int8 with their per-token ``key_scale`` when the cache is
     int8) and, for PLAS and XAttention (the methods of ``attention.sparse_attention_forward``), the model's
     attention logit ``softcap`` (None without), and in prefill ``probe`` (True when the queries are the density
-    probe's sample of a longer prefill rather than its end), returning a :class:`BlockSelection`; methods whose
-    config has ``dense_above_density`` also give ``selection_share(num_queries, head_dim)`` and
-    ``density_floor(num_queries, key_length)`` for the density decision.
+    probe's sample of a longer prefill rather than its end) and ``call_length`` (that prefill's key length),
+    returning a :class:`BlockSelection`; methods whose config has ``dense_above_density`` also give
+    ``selection_share(num_queries, head_dim)`` and ``density_floor(num_queries, key_length)`` for the density
+    decision.
 
     PLAS ignores ``softcap``: it ranks each query's blocks by ``q . Kc`` and keeps the top ``m`` for an ``m`` in
     the configured range, and a softcap, being increasing, keeps that ranking, so every selection it could make
@@ -57,20 +58,24 @@ class PLASMethod:
         return self.SELECTION_COST / max(1, num_queries * head_dim)
 
     def density_floor(self, num_queries: int, key_length: int) -> float:
-        """The least prefill density any selection can have here: every query keeps at least ``prefill_top_k[0]``
-        blocks, so a tile keeps at least that many of its causal blocks."""
+        """The least prefill density any selection can have here: every query keeps at least the prefill range's
+        left end of blocks (``PLASConfig.top_k``), so a tile keeps at least that many of its causal blocks."""
         config = self.config
         return top_k_density_floor(num_queries, key_length, config.query_union, config.block_size,
-                                   config.prefill_top_k[0])
+                                   config.top_k("prefill", key_length)[0])
 
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
-        probe: bool = False,
+        probe: bool = False, call_length: int | None = None,
     ) -> BlockSelection:
+        """``call_length``: the key length of the prefill call these queries belong to, which sets the top-k range
+        (``PLASConfig.top_k``); None = this selection's own (``q_offset`` + queries). The density probe selects
+        for runs of a call's queries and passes the call's, so that it estimates the call's selection."""
+        length = q_offset + query.shape[2] if call_length is None else call_length
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
-            block_size=self.config.block_size, top_k=self.config.prefill_top_k,
+            block_size=self.config.block_size, top_k=self.config.top_k("prefill", length),
             query_tile=self.config.query_union, head_union=False,
             sink_blocks=self.config.sink_blocks, search_steps=self.config.search_steps,
             query_stride=self.config.query_stride,

@@ -52,10 +52,11 @@ class XAttnMethod:
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
-        probe: bool = False,
+        probe: bool = False, call_length: int | None = None,
     ) -> BlockSelection:
         """``probe``: the queries are a sample of a longer prefill's (the density probe), not its end, so the
-        ``dense_last`` tail does not apply."""
+        ``dense_last`` tail does not apply. ``call_length`` (that prefill's key length) is PLAS's: a mass
+        threshold has no length rule."""
         config = self.config
         block_size = config.block_size
         batch, _, num_queries, _ = query.shape
