@@ -255,13 +255,17 @@ class PLASConfig(_MethodConfig):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PLASConfig:
-        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``prefill_top_k_length`` existed (every other
-        field, not that one: ``save_pretrained`` of an earlier version) keeps the fixed counts it ran with."""
+        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``prefill_top_k_length`` existed (one holding
+        :data:`STORED_FIELDS`, which every version's ``to_dict`` wrote, without that field: ``save_pretrained`` of
+        an earlier version) keeps the fixed counts it ran with. A partial dict gets the defaults."""
         data = dict(data)
-        others = {f.name for f in dataclasses.fields(cls) if f.init} - {"prefill_top_k_length"}
-        if "prefill_top_k_length" not in data and others <= set(data):
+        if "prefill_top_k_length" not in data and cls.STORED_FIELDS <= set(data):
             data["prefill_top_k_length"] = None
         return super().from_dict(data)
+
+    #: The fields of the first PLASConfig: in every stored configuration (``to_dict`` writes every field).
+    STORED_FIELDS = frozenset({"block_size", "prefill_top_k", "decode_top_k", "query_union", "dense_layers",
+                               "dense_below", "sink_blocks", "search_steps"})
 
     def top_k(self, phase: str, key_length: int | None = None) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``; a prefill over ``key_length``

@@ -201,11 +201,13 @@ def build_scorers(specs, query_stride, fitted_bases=None, cursor=None) -> list[S
     return out
 
 
-def scored_select_prefill(method, score, stride, query, summaries, key, *, scale, q_offset, kv_start, **unused):
+def scored_select_prefill(method, score, stride, query, summaries, key, *, scale, q_offset, kv_start,
+                          call_length=None, **unused):
     """PLAS's prefill selection (threshold top-k, forced blocks, tile union; PyTorch reference, unpadded inputs)
     with each query's blocks ranked by ``score`` instead of the summaries; with ``stride`` > 1 only the queries
     that search with ``PLASConfig.query_stride`` (every ``stride``-th of a tile and its last) select, each tile
-    taking the union of those, and the forced blocks of every query."""
+    taking the union of those, and the forced blocks of every query. The top-k range is the call's
+    (``call_length``, as ``PLASMethod.select_prefill``'s)."""
     from hf_sparse.kernels import reference
     from hf_sparse.selection import BlockSelection
 
@@ -213,6 +215,7 @@ def scored_select_prefill(method, score, stride, query, summaries, key, *, scale
     batch, q_heads, num_queries, _ = query.shape
     block, tile = config.block_size, config.query_union
     key_length = key.shape[2]
+    top_k = config.top_k("prefill", call_length or key_length)
     num_blocks = -(-key_length // block)
     mask = torch.zeros(batch, q_heads, -(-num_queries // tile), num_blocks, dtype=torch.bool, device=query.device)
     block_ids = torch.arange(num_blocks, device=query.device)
@@ -225,8 +228,7 @@ def scored_select_prefill(method, score, stride, query, summaries, key, *, scale
         logits = score(query[:, :, q0:q1][:, :, rows], key, block, scale, q_offset + q0 + rows)[..., :num_blocks]
         logits = logits.masked_fill(~available[:, None, rows], float("-inf"))
         chosen = torch.zeros(batch, q_heads, q1 - q0, num_blocks, dtype=torch.bool, device=query.device)
-        chosen[:, :, rows] = reference.threshold_topk(logits, available[:, None, rows],
-                                                      config.top_k("prefill", key_length), config.search_steps)
+        chosen[:, :, rows] = reference.threshold_topk(logits, available[:, None, rows], top_k, config.search_steps)
         own = (q_offset + torch.arange(q0, q1, device=query.device)) // block
         forced = (block_ids[None, :] == own[:, None]) | (block_ids < config.sink_blocks)[None, :]
         chosen |= (forced[None] & available)[:, None]

@@ -201,6 +201,7 @@ def main() -> None:
                     left = max(2, round(fraction * length / block))
                     config = hf_sparse.PLASConfig(block_size=block, query_union=block, dense_below=0,
                                                   prefill_top_k=(left, math.ceil(1.25 * left)),
+                                                  prefill_top_k_length=None,
                                                   dense_above_density=None, density_memory=False)
                     hf_sparse.configure(model, config)
                     set_gates(model, None if path is None or path in scorers

@@ -182,6 +182,8 @@ def test_a_plas_config_stored_before_the_length_rule_keeps_its_counts():
     stored = PLASConfig().to_dict()
     del stored["prefill_top_k_length"]
     assert PLASConfig.from_dict(stored).prefill_top_k_length is None
+    oldest = {name: stored[name] for name in PLASConfig.STORED_FIELDS}  # the first version's fields only
+    assert PLASConfig.from_dict(oldest).prefill_top_k_length is None
     assert PLASConfig.from_dict({"block_size": 64}).prefill_top_k_length == 32768
     for config in (PLASConfig(), PLASConfig(prefill_top_k_length=None), PLASConfig(prefill_top_k_length=65536)):
         assert PLASConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
