@@ -181,18 +181,21 @@ def all_blocks_decode(query: torch.Tensor, cache_layer: Any, scale: float, logn_
 
 
 # -- the sparse path --------------------------------------------------------------------------------------------
-def _summaries(key: torch.Tensor, cache_layer: Any, gate: torch.Tensor | None, rows: RowLayout,
-               block_size: int, dtype: torch.dtype, num_queries: int) -> torch.Tensor:
-    """Block summaries of a call's keys: those the SparseCache layer keeps when its blocks are the method's,
-    else computed (an int8 cache's keys dequantised to ``dtype`` by the summary op). A sequence's first call
-    (a prefill: its queries are all the cache holds) with no summaries kept computes them for itself alone: the
-    cache makes its storage at the first decode step (``SparseCacheLayer._summary_buffer``), so the prefill's
-    peak memory holds no summaries of earlier layers."""
-    if cache_layer is not None and cache_layer.block_size == block_size:
-        if cache_layer.summary_storage is not None or num_queries != cache_layer.length:
-            return cache_layer.block_summaries(gate, rows)
-    if getattr(cache_layer, "quantized", False):
-        return kernels.block_summaries(key, gate, rows, block_size, key_scale=cache_layer.key_scales, dtype=dtype)
+def _summaries(call: Call, gate: torch.Tensor | None, rows: RowLayout) -> torch.Tensor:
+    """Block summaries of a call's keys: those the SparseCache layer keeps when its blocks are the method's and
+    the call's keys are its storage, else computed (int8 keys dequantised to the query's dtype by the summary op).
+    A sequence's first call (a prefill: its queries are all the cache holds) with no summaries kept computes them
+    for itself alone: the cache makes its storage at the first decode step (``SparseCacheLayer._summary_buffer``),
+    so the prefill's peak memory holds no summaries of earlier layers. So does an int8 layer's first prefill,
+    which gets its states in the compute dtype, not the storage: its summaries are those a float cache's first
+    prefill computes; decode summarises the dequantised int8 keys (``SparseCacheLayer.summarize_full_blocks``)."""
+    key, layer, block_size = call.key, call.layer, call.config.block_size
+    if layer is not None and layer.block_size == block_size and call.quantized == getattr(layer, "quantized", False):
+        if layer.summary_storage is not None or call.num_queries != layer.length:
+            return layer.block_summaries(gate, rows)
+    if call.quantized:
+        return kernels.block_summaries(key, gate, rows, block_size, key_scale=layer.key_scales,
+                                       dtype=call.query.dtype)
     return kernels.block_summaries(key, gate, rows, block_size)
 
 
@@ -246,7 +249,7 @@ def run_sparse(call: Call, decided: Plan, value: torch.Tensor, scaling: float | 
         layer.summarize_full_blocks(gate, num_queries)  # those a dense prefill left
         summaries = layer.recent_block_summaries(gate, num_queries)
     else:
-        summaries = _summaries(key, layer, gate, rows, config.block_size, query.dtype, num_queries)
+        summaries = _summaries(call, gate, rows)
     if decided.probe:
         def select_run(run_query, run_key, run_key_scale, run_offset):
             return select(run_query, summaries, run_key, scale=scale, q_offset=run_offset, kv_start=rows,

@@ -86,8 +86,11 @@ class SparseCacheLayer(CacheLayerMixin):
     slots (or off the block grid): then token-major ``[B, H, capacity, D]``, since the kernels would read
     blocked values of such rows byte by byte. Both layouts give the same results. :meth:`update` returns the
     int8 views (keys ``[B, H, length, D]``, blocked values as the blocks holding ``length`` slots); the
-    attention function reads the scales from the layer (``key_scales`` / ``value_scales``). Summaries are
-    computed from the dequantised keys.
+    attention function reads the scales from the layer (``key_scales`` / ``value_scales``). A sequence's first
+    write (the layer empty: a first prefill) is the exception: it stores the int8 copy and returns the states it
+    was given, in their own dtype, so that prefill attends as over a float cache (the K/V it has in hand, exact;
+    no int8 tiles or dequantised copy in its attention); every later call reads the int8 storage. The attention
+    tells which it got by the keys' dtype. Summaries kept for decode are computed from the dequantised keys.
 
     With ``max_cache_len`` the layer is static: storage for that many tokens is allocated once, new states are
     written at the positions of ``device_length`` (the valid-slot count kept on the device), and decode can
@@ -255,8 +258,9 @@ class SparseCacheLayer(CacheLayerMixin):
         return self._keys, self._values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy), and hands this layer to
-        the attention call that receives them (:func:`hand_over`)."""
+        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy; an int8 layer's first
+        write: the given states, see the class), and hands this layer to the attention call that receives them
+        (:func:`hand_over`)."""
         if torch.compiler.is_compiling():  # host state (lengths, growth): outside a compiled graph
             return _eager_update(self, key_states, value_states, *args, **kwargs)
         keys, values = self.append(key_states, value_states)
@@ -264,7 +268,8 @@ class SparseCacheLayer(CacheLayerMixin):
         return keys, values
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy)."""
+        """Append ``[B, H, n, D]`` states; returns views over all cached states (no copy), or, for an int8 layer's
+        first write (the layer empty), the given states themselves (the class says why)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_length = self.length + key_states.shape[2]
@@ -279,11 +284,18 @@ class SparseCacheLayer(CacheLayerMixin):
         on_device = self.static and key_states.shape[2] <= DECODE_MAX_QUERY and capturing(self.device)
         self.valid_blocks = None  # (a device-side append below writes them)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
+            first = self.length == 0 and not on_device
             kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
                                     self.key_scale_storage, self.value_scale_storage,
                                     self.device_length if on_device else self.length)
             if on_device:
                 self.device_length.add_(key_states.shape[2])
+            elif first:  # a first prefill attends over the states as given; later calls read the int8 copy
+                self.length = new_length
+                if self.static:
+                    self._pending_length = new_length
+                self._views()
+                return key_states, value_states
         elif on_device:  # written at the device's length, which it advances, with the rows' block counts (one launch)
             starts = self.row_layout.starts if self.row_layout is not None else None
             if starts is not None and (self._valid_blocks_storage is None

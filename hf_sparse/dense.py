@@ -87,8 +87,8 @@ def eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def dequantized_kv(key: torch.Tensor, value: torch.Tensor, cache_layer: Any,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 cache layer's K/V in ``dtype`` (values token-major): a copy, for the dense fallback (short
-    sequences, few layers)."""
+    """An int8 cache layer's K/V in ``dtype`` (values token-major): a copy, for the dense fallback of calls that
+    read the int8 storage (decode and continuation prefills; a first prefill attends over its states as given)."""
     value = kernels.reference.token_values(value, key.shape[2])
     return (kernels.reference.dequantize_per_token(key, cache_layer.key_scales).to(dtype),
             kernels.reference.dequantize_per_token(value, cache_layer.value_scales).to(dtype))

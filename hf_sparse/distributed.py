@@ -1,4 +1,5 @@
-"""torch.distributed helpers for Star Attention: ranks, context-block shards, LSE merge of partial attention.
+"""torch.distributed helpers: Star Attention's ranks, context-block shards and LSE merge of partial attention; the
+tensor-parallel rank of a model that transformers split (:func:`tensor_parallel_rank_and_size`).
 
 Works with any backend torch.distributed supports for ``all_gather`` (gloo on CPU, NCCL on GPUs). Nothing here
 runs unless a process group is initialised (e.g. by ``torchrun``).
@@ -81,3 +82,37 @@ def tensor_parallel_kwargs(plan: Any = "auto") -> dict[str, Any]:
     if Version(transformers.__version__).release >= (5, 18) and hasattr(transformers, "DistributedConfig"):
         return {"distributed_config": transformers.DistributedConfig(tp_plan=plan)}
     return {"tp_plan": plan}
+
+
+def tensor_parallel_mesh(model: Any) -> Any:
+    """The one-dimensional device mesh of ``model``'s tensor-parallel ranks, or ``None`` for a model that
+    transformers' tensor parallelism did not split (``model.tp_size`` unset or 1).
+
+    transformers keeps the degree in ``model.tp_size`` and the mesh in ``model._device_mesh``: up to 5.17 the 1-D
+    mesh of the tensor-parallel ranks (``integrations/tensor_parallel.py::distribute_model``); from 5.18 the
+    ``("pp", "fsdp", "tp")`` mesh (``distributed/mixin.py::maybe_distribute_model``), whose ``"tp"`` dimension is
+    taken here."""
+    size = int(getattr(model, "tp_size", None) or 1)
+    if size <= 1:
+        return None
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        raise ValueError(f"{type(model).__name__} has tp_size {size} but no device mesh (model._device_mesh)")
+    if mesh.ndim > 1:
+        if "tp" not in (mesh.mesh_dim_names or ()):
+            raise ValueError(f"{type(model).__name__}'s device mesh {mesh} has no 'tp' dimension")
+        mesh = mesh["tp"]
+    if mesh.size() != size:
+        raise ValueError(f"{type(model).__name__}: tensor-parallel mesh of {mesh.size()} ranks != tp_size {size}")
+    return mesh
+
+
+def tensor_parallel_rank_and_size(model: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``model``'s tensor-parallel group; ``(0, 1)`` for a model not split by
+    tensor parallelism. A column-wise projection (``k_proj``, ``v_proj``) gives rank ``r`` the contiguous output
+    rows ``[r * n / size, (r + 1) * n / size)``: transformers' ``Shard(0)`` (``torch.chunk`` order), so of ``H``
+    key/value heads rank ``r`` holds heads ``[r * H / size, (r + 1) * H / size)``."""
+    mesh = tensor_parallel_mesh(model)
+    if mesh is None:
+        return 0, 1
+    return mesh.get_local_rank(), mesh.size()

@@ -175,7 +175,13 @@ def fusable_layer(layer: torch.nn.Module) -> bool:
     """Whether ``layer``'s decode steps may run :func:`fused_layer_forward`: one of the known Llama-style classes,
     made of plain ``nn.Linear`` projections (a bias on all of q / k / v or none, on gate and up or neither) of plain
     tensors, RMSNorms and a SiLU gate, all in one dtype on one device, with no hooks (another library's offloading
-    or quantisation), no query / key norms and no sliding window."""
+    or quantisation) and no module whose ``forward`` another library replaced, no query / key norms and no sliding
+    window.
+
+    A tensor-parallel layer is refused on both counts: transformers' tensor parallelism wraps the projections
+    (module hooks up to 5.17; from 5.18 a ``forward`` instance attribute around DTensor weights, which the plain
+    tensor rule refuses too), and those wrappers hold the gather and reduction a fused product of the local
+    shards would skip."""
     if type(layer).__name__ not in _FUSED_LAYER_CLASSES or type(layer).forward.__annotations__.get("return") not in (
             "torch.Tensor", torch.Tensor):
         return False
@@ -202,8 +208,8 @@ def fusable_layer(layer: torch.nn.Module) -> bool:
             or not all(type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
                        and tensor.device.type != "meta" for tensor in tensors)):
         return False
-    return not any(_foreign_hook(hook) for module in layer.modules()
-                   for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()))
+    return not any("forward" in module.__dict__ or any(_foreign_hook(hook) for hook in (
+        *module._forward_hooks.values(), *module._forward_pre_hooks.values())) for module in layer.modules())
 
 
 def _foreign_hook(hook: Any) -> bool:
@@ -290,7 +296,9 @@ def fused_modules(model: torch.nn.Module, enabled: bool = True, layers: bool = T
     :func:`head_forward` (unless ``layers`` is False), its other norms, dense MLPs and rotary embedding compiled
     forwards (:func:`fusable`), and its modeling module's rotary function a compiled function;
     yields how many modules and functions were swapped. Modules whose ``forward`` is already an instance attribute
-    (another library's hook) are left alone.
+    (another library's hook) are left alone. In a tensor-parallel model the layers and the head stay unfused
+    (:func:`fusable_layer`, :func:`fusable_head`); its norms and MLPs are still compiled, their projections running
+    transformers' tensor-parallel forwards (hooks or wrapped ``forward``) inside the compiled code.
 
     A step of a model whose layers all fuse then calls no cuBLAS routine (the rotary embedding through
     :func:`rotary_call`): cuBLAS keeps a workspace per stream it runs on for the process's life (32 MiB on Hopper),

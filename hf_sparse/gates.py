@@ -10,6 +10,10 @@ dict (so ``save_pretrained`` and weight hashes do not see them) and travel as on
   ``layers`` and ``base_model``.
 
 Loading never unpickles: only ``safetensors`` is read.
+
+Under transformers' tensor parallelism each rank's attention holds a contiguous chunk of the KV heads, so a rank
+keeps the same chunk of every gate (:func:`shard_gates`): files and :func:`set_gates` take gates with every head,
+:func:`get_gates` returns the rank's chunks, :func:`gathered_gates` and :func:`save_gates` put them back together.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from .config import CONFIG_KEY, PLASConfig, config_from_dict
+from .distributed import tensor_parallel_mesh, tensor_parallel_rank_and_size
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +141,8 @@ def gate_spec(model: Any, block_size: int | None = None) -> GateSpec:
 
 
 def get_gates(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """The gates attached to ``model``'s attention modules, by layer index."""
+    """The gates attached to ``model``'s attention modules, by layer index (under tensor parallelism this rank's
+    chunk of the KV heads; :func:`gathered_gates` has them all)."""
     gates = {}
     for layer_idx, module in attention_modules(model).items():
         weight = get_gate_weight(module)
@@ -145,9 +151,33 @@ def get_gates(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     return gates
 
 
+def shard_gates(gates: Mapping[int, torch.Tensor], kv_heads: int, rank: int,
+                tp_size: int) -> dict[int, torch.Tensor]:
+    """Rank ``rank``'s chunk of each ``[kv_heads, block_size, head_dim]`` gate under tensor parallelism of
+    ``tp_size`` ranks: heads ``[rank * kv_heads / tp_size, (rank + 1) * kv_heads / tp_size)``, the heads its
+    column-wise ``k_proj`` produces (:func:`hf_sparse.distributed.tensor_parallel_rank_and_size`).
+
+    Raises ``ValueError`` when a gate does not hold ``kv_heads`` heads or ``kv_heads`` does not divide by ``tp_size``.
+    """
+    if kv_heads % tp_size:
+        raise ValueError(f"{kv_heads} KV heads do not split over tensor parallelism's {tp_size} ranks (each rank's "
+                         f"attention holds a contiguous chunk of the heads): load the model with a tp_size that "
+                         f"divides {kv_heads}")
+    per_rank = kv_heads // tp_size
+    chunks = {}
+    for layer_idx, weight in gates.items():
+        if weight.dim() != 3 or weight.shape[0] != kv_heads:
+            raise ValueError(f"layer {layer_idx}: gate shape {tuple(weight.shape)} does not hold the model's "
+                             f"{kv_heads} KV heads; a tensor-parallel model (tp_size {tp_size}) takes gates with "
+                             f"every head and keeps rank {rank}'s {per_rank}")
+        chunks[layer_idx] = weight[rank * per_rank:(rank + 1) * per_rank]
+    return chunks
+
+
 def set_gates(model: torch.nn.Module, gates: Mapping[int, torch.Tensor] | None) -> None:
     """Attach ``gates`` (layer index -> ``[kv_heads, block_size, head_dim]``) as float32 on each module's device;
-    ``None`` removes every gate (mean pooling). Layers not in ``gates`` are left as they are."""
+    ``None`` removes every gate (mean pooling). Layers not in ``gates`` are left as they are. On a model split by
+    tensor parallelism each module keeps this rank's chunk of the heads (:func:`shard_gates`)."""
     modules = attention_modules(model)
     if gates is None:
         for module in modules.values():
@@ -156,11 +186,33 @@ def set_gates(model: torch.nn.Module, gates: Mapping[int, torch.Tensor] | None) 
     unknown = sorted(set(gates) - set(modules))
     if unknown:
         raise ValueError(f"no attention module for layer(s) {unknown}; the model has layers {sorted(modules)}")
+    rank, tp_size = tensor_parallel_rank_and_size(model)
+    if tp_size > 1:
+        gates = shard_gates(gates, gate_spec(model).kv_heads, rank, tp_size)
     for layer_idx, weight in gates.items():
         module = modules[layer_idx]
         parameter = next(module.parameters(), None)
         device = parameter.device if parameter is not None and parameter.device.type != "meta" else weight.device
         set_gate_weight(module, weight.detach().to(device=device, dtype=torch.float32))
+
+
+def gathered_gates(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The attached gates with every KV head: :func:`get_gates`, or on a model split by tensor parallelism each
+    rank's chunks all-gathered in rank order over the tensor-parallel group. There it is a collective: every rank
+    of the group must call it (as every rank calls ``save_pretrained``, which gathers the weights)."""
+    gates = get_gates(model)
+    mesh = tensor_parallel_mesh(model)
+    if mesh is None:
+        return gates
+    import torch.distributed as dist
+
+    group, gathered = mesh.get_group(), {}
+    for layer_idx, weight in gates.items():  # the same layers on every rank: set_gates attaches the same file
+        local = weight.detach().contiguous()
+        chunks = [torch.empty_like(local) for _ in range(mesh.size())]
+        dist.all_gather(chunks, local, group=group)
+        gathered[layer_idx] = torch.cat(chunks, dim=0)
+    return gathered
 
 
 def mean_pooling_gates(model: Any, block_size: int | None = None) -> dict[int, torch.Tensor]:
@@ -390,11 +442,17 @@ def load_gates(
     file logs one warning and returns ``{}`` (the model keeps mean pooling, or the gates it had); a file that
     lacks some gated layers attaches the others and warns. With ``strict=True`` each of these raises
     :class:`GateFileError`. ``revision`` pins a Hub branch, tag or commit; ``HF_HUB_OFFLINE=1`` serves the cache.
+    On a model split by tensor parallelism each rank attaches its chunk of the heads and gets the whole file's
+    gates back; a head count that does not divide by ``tp_size`` is a mismatched file.
     """
     spec = gate_spec(model)
     try:
         path = resolve_gate_file(source, filename, revision, cache_dir, token)
         gates = read_gate_file(path, spec, tensor_names)
+        _, tp_size = tensor_parallel_rank_and_size(model)
+        if spec.kv_heads % tp_size:
+            raise GateFileError(f"{path}: its {spec.kv_heads} KV heads do not split over tensor parallelism's "
+                                f"{tp_size} ranks (each rank keeps a contiguous chunk of the heads)")
     except GateFileError as error:
         return _fail(str(error), strict)
     missing = [i for i in spec.gated_layers if i not in gates]
@@ -409,23 +467,37 @@ def load_gates(
 
 
 def save_gates(model: torch.nn.Module, folder: str | os.PathLike, filename: str = GATE_FILENAME) -> Path:
-    """Write the gates attached to ``model`` to ``folder/filename`` (atomically); returns the path."""
-    gates = get_gates(model)
+    """Write the gates attached to ``model`` to ``folder/filename`` (atomically); returns the path.
+
+    On a model split by tensor parallelism the file holds every KV head (:func:`gathered_gates`): every rank of the
+    group must call it, and each writes the same file."""
+    gates = gathered_gates(model)
     if not gates:
         raise ValueError("the model has no gates attached (load_gates or train_gates attach them)")
+    return _write_model_gates(model, gates, Path(folder) / filename)
+
+
+def _write_model_gates(model: torch.nn.Module, gates: Mapping[int, torch.Tensor], path: Path) -> Path:
+    """Write ``gates`` (every KV head) to ``path`` with ``model``'s metadata."""
     spec = gate_spec(model, block_size=next(iter(gates.values())).shape[1])
     plas = model_plas_config(model)
     if spec.block_size != plas.block_size:
         logger.warning("saving gates of block size %d while the model's PLASConfig.block_size is %d",
                        spec.block_size, plas.block_size)
-    return write_gate_file(gates, Path(folder) / filename, spec)
+    return write_gate_file(gates, path, spec)
 
 
-def save_gates_alongside(model: torch.nn.Module, folder: str | os.PathLike) -> Path | None:
-    """For ``save_pretrained``: write the gate file into ``folder`` if gates are attached; else do nothing."""
+def save_gates_alongside(model: torch.nn.Module, folder: str | os.PathLike, is_main_process: bool = True
+                         ) -> Path | None:
+    """For ``save_pretrained``: write the gate file into ``folder`` if gates are attached and ``is_main_process``;
+    else do nothing. Under tensor parallelism every rank gathers the heads (``save_pretrained`` runs on every
+    rank), whatever its ``is_main_process``, and the group's first rank writes the file."""
     if not get_gates(model):
         return None
-    return save_gates(model, folder)
+    gates = gathered_gates(model)
+    if not is_main_process or tensor_parallel_rank_and_size(model)[0] != 0:
+        return None
+    return _write_model_gates(model, gates, Path(folder) / GATE_FILENAME)
 
 
 def autoload_gates(model: torch.nn.Module, revision: str | None = None) -> dict[int, torch.Tensor]:
@@ -459,6 +531,11 @@ def push_gates_to_hub(
     ``create_repo=False``); returns huggingface_hub's ``CommitInfo``."""
     from huggingface_hub import HfApi
 
+    _, tp_size = tensor_parallel_rank_and_size(model)
+    if tp_size > 1:
+        raise ValueError(f"push_gates_to_hub on a model split by tensor parallelism (tp_size {tp_size}): each rank "
+                         f"holds some of the KV heads. Call hf_sparse.save_gates(model, folder) on every rank (it "
+                         f"gathers them), then upload folder/{filename} from one process")
     api = HfApi(token=token)
     if create_repo:
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -257,12 +257,13 @@ def _from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
 
 
 def _save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-    """``save_pretrained``, then the attached PLAS gates (if any) into the same folder."""
+    """``save_pretrained``, then the attached PLAS gates (if any) into the same folder (on the main process; under
+    tensor parallelism every rank takes part in gathering their heads)."""
     result = _ORIGINAL["save_pretrained"](self, save_directory, *args, **kwargs)
-    if kwargs.get("is_main_process", True):
-        from .gates import save_gates_alongside
+    from .gates import save_gates_alongside
 
-        save_gates_alongside(self, save_directory)
+    is_main_process = args[0] if args else kwargs.get("is_main_process", True)  # save_pretrained's second parameter
+    save_gates_alongside(self, save_directory, is_main_process=bool(is_main_process))
     return result
 
 

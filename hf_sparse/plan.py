@@ -9,6 +9,8 @@ An attention call of "plas" or "xattn" runs one of three paths:
 * ``SPARSE``: the method selects key blocks (``methods/``), the sparse kernels attend to them.
 
 :func:`plan_call` applies :data:`RULES` in order; the first that applies decides, and the :class:`Plan` names it.
+A call's K/V are int8 only where they are an int8 cache's storage (:attr:`Call.quantized`): a layer's first
+prefill gets the states it has in hand, in the compute dtype, and every path runs on them as over a float cache.
 Two rules need the selection itself and are applied while the sparse path runs (on CUDA only, where dense attention
 is faster than the sparse kernel at high density): :func:`after_probe` and :func:`after_selection`. Star Attention's
 phases have their own rules, :func:`plan_star`.
@@ -186,7 +188,10 @@ class Call:
 
     @property
     def quantized(self) -> bool:
-        return self.layer is not None and getattr(self.layer, "quantized", False)
+        """Whether the call's K/V are int8: an int8 SparseCache layer's storage, read with the layer's scales. An
+        int8 layer's first prefill gets the states it was given, in the compute dtype (``SparseCacheLayer.append``),
+        and runs as over a float cache."""
+        return self.layer is not None and self.key.dtype == torch.int8
 
     @functools.cached_property
     def static(self) -> bool:

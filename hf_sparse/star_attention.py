@@ -335,9 +335,9 @@ def encode_context(
     if distributed.is_distributed(group) and (getattr(model, "tp_size", None) or 1) > 1:
         raise ValueError(
             f"Star's context sharding over the {world_size} ranks of the process group cannot run on a model split "
-            f"by tensor parallelism (tp_plan, tp_size {model.tp_size}): each rank holds only some heads. Load the "
-            "model whole on each rank (device_map or one GPU) for sharded Star, or call model.generate() with "
-            "attn_implementation='star' under tensor parallelism")
+            f"by tensor parallelism (tp_plan / distributed_config, tp_size {model.tp_size}): each rank holds only some "
+            "heads. Load the model whole on each rank (device_map or one GPU) for sharded Star, or call "
+            "model.generate() with attn_implementation='star' under tensor parallelism")
     sharded = distributed.is_distributed(group) and length >= config.dense_threshold(CONTEXT_PHASE)
     if distributed.is_distributed(group) and not sharded:
         logger.info("context of %d tokens < dense_below %d: every rank encodes it whole", length,

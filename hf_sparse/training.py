@@ -431,6 +431,18 @@ def _learning_rate(step: int, steps: int, config: GateTrainingConfig) -> float:
 
 
 # -- training -------------------------------------------------------------------------------------------------
+
+def _refuse_tensor_parallel(model: Any, what: str) -> None:
+    """Gate training and evaluation read every KV head of each layer; a model split by tensor parallelism holds
+    some of them per rank."""
+    from .distributed import tensor_parallel_rank_and_size
+
+    size = tensor_parallel_rank_and_size(model)[1]
+    if size > 1:
+        raise ValueError(f"{what} needs the whole model on one device; this one is split by tensor parallelism "
+                         f"(tp_size {size}): train or evaluate gates on a model loaded without tp_plan / "
+                         "distributed_config, then load the gate file on the split one")
+
 def train_gates(
     model: Any,
     dataset: Any,
@@ -468,6 +480,7 @@ def train_gates(
     if not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
     config = config if config is not None else GateTrainingConfig()
+    _refuse_tensor_parallel(model, "train_gates")
     spec = gate_spec(model, config.block_size)
     if config.seq_length % spec.block_size:
         raise ValueError(f"seq_length {config.seq_length} must be a multiple of block_size {spec.block_size}")
@@ -639,6 +652,7 @@ def evaluate_gates(
 ) -> GateMetrics:
     """:class:`GateMetrics` of ``gates`` (layer -> weight; ``None`` or a missing layer = mean pooling, exactly
     as inference) on ``input_ids`` ``[B, S]`` (unpadded), over ``layers`` (default: the model's gated layers)."""
+    _refuse_tensor_parallel(model, "evaluate_gates")
     spec = gate_spec(model, block_size)
     sink_blocks = model_plas_config(model).sink_blocks
     layers = list(layers if layers is not None else spec.gated_layers)

@@ -1,5 +1,6 @@
 """Paged-attention feature parity at the model level: logN scaling, the int8 KV cache (and, in
 test_kernels/test_reference, skip and ALiBi)."""
+import functools
 import os
 
 import pytest
@@ -10,10 +11,11 @@ from transformers.masking_utils import sdpa_mask
 
 import hf_sparse
 from hf_sparse import star_attention
+from hf_sparse.cache import hand_over
 from hf_sparse.dense import dequantized_kv
 from hf_sparse.kernels import reference as ref
 
-from conftest import build, full_density, tiny_config
+from conftest import build, counting, full_density, tiny_config
 
 LOGN_BASE = 16
 
@@ -124,16 +126,23 @@ def test_int8_kv_cache_close_to_sdpa_and_smaller():
 
 
 def dequantized_states_cache(config, block_size: int | None = None) -> hf_sparse.SparseCache:
-    """A float SparseCache that stores what an int8 cache holds, dequantised: the int8 cache's reference."""
+    """A float SparseCache that stores what an int8 cache holds, dequantised, and gives a layer's first prefill
+    the states as they are (as an int8 cache does): the int8 cache's reference."""
     cache = hf_sparse.SparseCache(config, block_size=block_size, kv_dtype="auto")
 
     def roundtrip(states):
         return ref.dequantize_per_token(*ref.quantize_per_token(states)).to(states.dtype)
 
+    def update(layer, original, key, value, *args, **kwargs):
+        first = layer.get_seq_length() == 0
+        keys, values = original(roundtrip(key), roundtrip(value), *args, **kwargs)
+        if not first:
+            return keys, values
+        hand_over(layer, key, kwargs)  # the attention call receives the states as given
+        return key, value
+
     for layer in cache.layers:
-        update = layer.update
-        layer.update = lambda key, value, *args, _update=update, **kwargs: _update(roundtrip(key), roundtrip(value),
-                                                                                     *args, **kwargs)
+        layer.update = functools.partial(update, layer, layer.update)
     return cache
 
 
@@ -237,10 +246,10 @@ def test_kv_cache_dtype_validated_by_plas_and_xattn_unknown_to_star():
 
 @pytest.mark.parametrize("backend", backends())
 def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, monkeypatch):
-    """Star on an int8 SparseCache: the context (phase 1) and the prompt's query tokens and generated tokens
-    (phase 2, all blocks selected) read the int8 K/V in the sparse kernels; a dense layer's prompt runs sdpa on
-    a dequantised copy. Logits and tokens equal those of a float cache holding the same dequantised states,
-    and are within quantisation error of the float cache."""
+    """Star on an int8 SparseCache: the prompt (its first prefill: the context's phase 1, its query tokens' phase
+    2, the dense layer) attends over its states as given, the generated tokens (phase 2, all blocks selected) read
+    the int8 K/V in the sparse kernels; no dequantised copy is made. Logits and tokens equal those of a float cache
+    holding the same dequantised states, and are within quantisation error of the float cache."""
     monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
     model = build(tiny_config("llama", 8, 2, head_dim=32), "star")
     hf_sparse.configure(model, hf_sparse.StarConfig(block_size=32, anchor_size=16, query_tokens=5, dense_below=0,
@@ -267,7 +276,7 @@ def test_int8_kv_cache_star_equals_float_cache_of_dequantized_states(backend, mo
         return torch.cat(steps, 1), generated, rec
 
     logits, generated, rec = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="int8"))
-    assert len(copies) == 2, "dequantised copies: the dense layer's two prompts only, none while generating"
+    assert not copies, "no dequantised copy: the prompts attend over their states, generation reads int8"
     assert caches[0].layers[0].value_storage.dim() == 4, "rows start apart: the int8 values went token-major"
     expected, expected_generated, _ = run(lambda: dequantized_states_cache(model.config))
     unquantized, _, _ = run(lambda: hf_sparse.SparseCache(model.config, kv_dtype="auto"))
@@ -285,6 +294,112 @@ def test_star_logn_fields_validated_and_round_trip():
     assert config.logn_scaling and hf_sparse.StarConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="logn_scaling"):
         hf_sparse.StarConfig(logn_scaling="yes")
+
+
+FIRST_PREFILL_CONFIGS = {
+    "plas": lambda: hf_sparse.PLASConfig(block_size=16, prefill_top_k=(2, 3), decode_top_k=(2, 3), dense_below=0,
+                                         query_union=16, dense_layers=(2,)),
+    "xattn": lambda: hf_sparse.XAttnConfig(dense_last=0, block_size=16, stride=4, threshold=0.5, decode_threshold=0.5,
+                                           dense_below=0, dense_layers=(2,)),
+    "star": lambda: hf_sparse.StarConfig(block_size=32, anchor_size=16, query_tokens=5, dense_below=0,
+                                         dense_above_density=None, dense_layers=(2,)),
+}
+
+
+#: (method, dtype, static cache, backend): every combination on the PyTorch path; one on the Triton path (minutes in
+#: the interpreter), whose static decode reads its lengths on the device.
+FIRST_PREFILL_CASES = [
+    *(pytest.param(method, dtype, static, "torch", id=f"{method}-{dtype_id}-{'static' if static else 'dynamic'}-torch")
+      for method in ("plas", "xattn", "star") for dtype, dtype_id in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+      for static in (False, True)),
+    pytest.param("plas", torch.float32, True, "triton", id="plas-fp32-static-triton", marks=backends()[1].marks),
+]
+
+
+@pytest.mark.parametrize("method, dtype, static, backend", FIRST_PREFILL_CASES)
+def test_int8_first_prefill_attends_over_its_states(method, dtype, static, backend, monkeypatch):
+    """An int8 cache's first prefill attends over the states it has in hand, in the compute dtype: its logits and
+    selections equal a float cache's (sparse layers, the dense layer, a left-padded row), with no dequantised copy,
+    while the cache stores their int8 copy. Later calls read that copy: a continuation prefill (whose dense layer
+    dequantises it) and decode differ from the float cache's and, in float32, equal a float cache holding the
+    dequantised states (in bfloat16 that reference rounds the dequantised K/V, which the int8 kernels do not)."""
+    from hf_sparse import attention
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    model = build(tiny_config("llama", 4, 2, layers=3), method).to(dtype)
+    hf_sparse.configure(model, FIRST_PREFILL_CONFIGS[method]())
+    ids = torch.randint(3, 128, (2, 104), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+    copies = []
+    for module in (attention, star_attention):
+        monkeypatch.setattr(module, "dequantized_kv", lambda *args: copies.append(1) or dequantized_kv(*args))
+
+    # later calls: a continuation prefill and teacher-forced decode steps (on Triton, to keep the interpreter's
+    # minutes down, one decode step: its dense layer runs the decode kernel over the static cache, no copy)
+    later_calls = [(70, 100), *((t, t + 1) for t in range(100, 104))] if backend == "torch" else [(70, 71)]
+    length = later_calls[-1][1]
+
+    def run(cache):
+        copies.clear()
+        with torch.no_grad(), hf_sparse.record_sparsity(keep_inputs=True) as rec:
+            first = model(ids[:, :70], attention_mask=mask[:, :70], past_key_values=cache).logits
+            first_copies, first_records = len(copies), list(rec.records)
+            later = [model(ids[:, start:end], attention_mask=mask[:, :end], past_key_values=cache).logits
+                     for start, end in later_calls]
+        return first, torch.cat(later, 1), (first_copies, len(copies)), first_records
+
+    room = {"max_cache_len": 112} if static else {}
+    int8_cache = hf_sparse.SparseCache(model.config, kv_dtype="int8", **room)
+    first, later, copies_made, records = run(int8_cache)
+    float_cache = hf_sparse.SparseCache(model.config, kv_dtype="auto", **room)
+    float_first, float_later, _, float_records = run(float_cache)
+
+    assert torch.equal(first, float_first), "the first prefill is the float cache's, bit for bit"
+    assert copies_made[0] == 0, "the first prefill made no dequantised copy"
+    assert copies_made[1] > 0 or backend == "triton", "the continuation's dense attention dequantised the int8 cache"
+    sparse = [(got, want) for got, want in zip(records, float_records, strict=True) if got.selection is not None]
+    assert len(sparse) == 2, "layers 0 and 1 ran sparse"
+    for got, want in sparse:
+        assert got.inputs[1].dtype == dtype, "the first prefill read no int8 keys"
+        assert torch.equal(got.selection.indices, want.selection.indices)
+        assert torch.equal(got.selection.counts, want.selection.counts)
+    assert sum(float(got.attended_blocks) for got, _ in sparse) < sum(float(got.causal_blocks) for got, _ in sparse)
+    layer, float_layer = int8_cache.layers[0], float_cache.layers[0]
+    assert layer.key_storage.dtype == torch.int8 and layer.length == float_layer.length == length
+    stored, _ = ref.quantize_per_token(float_layer.keys[:, :, :70])  # the first prefill's keys, quantised
+    assert torch.equal(layer.keys[:, :, :70], stored)
+    real = mask[:, 70:length].bool()[:, :, None].expand_as(later)
+    assert not torch.equal(later[real], float_later[real]), "later calls read the int8 copy"
+    if dtype == torch.float32 and backend == "torch":  # (the Triton path's int8 reads: the tests above)
+        expected_first, expected_later, _, _ = run(dequantized_states_cache(model.config))
+        assert torch.equal(first, expected_first)
+        torch.testing.assert_close(later[real], expected_later[real], atol=2e-5, rtol=1e-4)
+
+
+def test_int8_short_first_prefill_is_sdpa_forward_wide(monkeypatch):
+    """A prompt shorter than dense_below over an int8 cache runs sdpa on its own K/V in every layer, planned once
+    for the whole forward (rule `forward`, as over a float cache): its logits are sdpa's bit for bit. The decode
+    step after it reads the int8 cache (dequantised for its dense attention): within quantisation error."""
+    from hf_sparse import attention, plan
+
+    config = tiny_config("llama", 8, 2, head_dim=32, layers=3)
+    model, dense = build(config, "plas"), build(config, "sdpa")
+    hf_sparse.configure(model, hf_sparse.PLASConfig(kv_cache_dtype="int8"))
+    ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(10))
+    plans = counting(monkeypatch, plan, "plan_call")
+    copies = counting(monkeypatch, attention, "dequantized_kv")
+    with torch.no_grad():
+        cache = hf_sparse.SparseCache(model.config)
+        prefill = model(ids[:, :40], past_key_values=cache).logits
+        assert len(plans) == 1 and not copies, "planned in the first layer only, no int8 read"
+        step = model(ids[:, 40:], past_key_values=cache).logits
+        expected = dense(ids).logits
+    assert cache.layers[0].key_storage.dtype == torch.int8 and cache.get_seq_length() == 41
+    assert torch.equal(prefill, expected[:, :40])
+    assert len(copies) == 3, "the decode step read the int8 cache in every layer"
+    error = (step - expected[:, 40:]).abs().max()
+    assert 0 < float(error) < 0.05 * float(expected.std())
 
 
 def test_int8_values_layout_follows_the_padding():

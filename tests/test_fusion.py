@@ -150,8 +150,9 @@ def test_fused_layer_forward_equals_the_layers_own(eager_backend, monkeypatch, a
 
 
 def test_unusual_layers_are_not_fused():
-    """Hooks (but transformers' output capture), projections that are not plain linear layers, mixed dtypes, query /
-    key norms, a bias on q alone or a sliding window keep a layer's own forward."""
+    """Hooks (but transformers' output capture), a module's forward replaced by another library, projections that are
+    not plain linear layers, mixed dtypes, query / key norms, a bias on q alone or a sliding window keep a layer's own
+    forward."""
     model = build(tiny_config(layers=1), "plas")
     layer = model.model.layers[0]
     assert fusion.fusable_layer(layer)
@@ -161,6 +162,9 @@ def test_unusual_layers_are_not_fused():
     handle = layer.mlp.register_forward_hook(lambda *a: None)
     assert not fusion.fusable_layer(layer)
     handle.remove()
+    layer.mlp.down_proj.forward = lambda x: x  # a replaced forward (transformers' tensor parallelism from 5.18)
+    assert not fusion.fusable_layer(layer)
+    del layer.mlp.down_proj.forward
     layer.post_attention_layernorm.to(torch.float16)
     assert not fusion.fusable_layer(layer)
     layer.post_attention_layernorm.float()

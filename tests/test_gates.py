@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hf_sparse
-from hf_sparse import gates
+from hf_sparse import distributed, gates
 from hf_sparse.kernels import reference
 
 from conftest import build, tiny_config
@@ -205,6 +205,10 @@ def test_save_alongside_and_autoload_from_the_model_folder(tmp_path, caplog):
     with pytest.raises(ValueError, match="no gates attached"):
         gates.save_gates(model, tmp_path / "none")
     gates.set_gates(model, _random_gates(model))
+    model.save_pretrained(tmp_path / "other", is_main_process=False)
+    assert not (tmp_path / "other" / gates.GATE_FILENAME).exists(), "only the main process writes the gate file"
+    model.save_pretrained(tmp_path / "positional", False)  # save_pretrained's second parameter is is_main_process
+    assert not (tmp_path / "positional" / gates.GATE_FILENAME).exists()
     model.save_pretrained(tmp_path / "saved")  # writes the gate file beside the weights
     assert (tmp_path / "saved" / gates.GATE_FILENAME).is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="plas")
@@ -234,3 +238,115 @@ def test_gates_stay_out_of_the_state_dict():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     gates.set_gates(model, None)
     assert gates.get_gates(model) == {}
+
+
+# -- tensor parallelism: each rank keeps its chunk of the KV heads (two ranks: tests/test_tensor_parallel_cpu.py)
+@pytest.mark.parametrize("kv_heads, tp_size", [(4, 2), (4, 4), (8, 2), (2, 1)])
+def test_shard_gates_gives_each_rank_its_contiguous_heads(kv_heads, tp_size):
+    generator = torch.Generator().manual_seed(0)
+    whole = {layer: torch.randn(kv_heads, BLOCK, 8, generator=generator) for layer in (0, 3)}
+    per_rank = kv_heads // tp_size
+    shards = [gates.shard_gates(whole, kv_heads, rank, tp_size) for rank in range(tp_size)]
+    for rank, shard in enumerate(shards):  # heads [rank * n / tp, (rank + 1) * n / tp), as a column-wise k_proj
+        assert shard.keys() == whole.keys()
+        assert all(torch.equal(shard[i], whole[i][rank * per_rank:(rank + 1) * per_rank]) for i in whole)
+    assert all(torch.equal(torch.cat([shard[i] for shard in shards]), whole[i]) for i in whole)
+
+
+def test_shard_gates_rejects_heads_that_do_not_split_or_do_not_match():
+    with pytest.raises(ValueError, match="3 KV heads do not split over tensor parallelism's 2 ranks"):
+        gates.shard_gates({0: torch.zeros(3, BLOCK, 8)}, 3, 0, 2)
+    with pytest.raises(ValueError, match=r"layer 0: gate shape \(1, 16, 8\) does not hold the model's 2 KV heads"):
+        gates.shard_gates({0: torch.zeros(1, BLOCK, 8)}, 2, 1, 2)  # a rank's chunk, not the whole gate
+
+
+class _Mesh:
+    """What tensor_parallel_rank_and_size reads of a torch DeviceMesh: ndim, names, [name], size, local rank."""
+
+    def __init__(self, sizes: dict[str, int], ranks: dict[str, int], names: bool = True):
+        self.sizes, self.ranks, self.ndim = sizes, ranks, len(sizes)
+        self.mesh_dim_names = tuple(sizes) if names else None
+
+    def __getitem__(self, name):
+        return _Mesh({name: self.sizes[name]}, {name: self.ranks[name]})
+
+    def size(self):
+        return next(iter(self.sizes.values())) if self.ndim == 1 else None
+
+    def get_local_rank(self):
+        return next(iter(self.ranks.values()))
+
+
+class _Model:
+    def __init__(self, tp_size=None, mesh=None):
+        self.tp_size, self._device_mesh = tp_size, mesh
+
+
+def test_tensor_parallel_rank_and_size_reads_the_models_mesh():
+    assert distributed.tensor_parallel_rank_and_size(torch.nn.Linear(2, 2)) == (0, 1)  # not a transformers model
+    assert distributed.tensor_parallel_rank_and_size(_Model(None)) == (0, 1)  # not split
+    assert distributed.tensor_parallel_rank_and_size(_Model(1, _Mesh({"tp": 1}, {"tp": 0}))) == (0, 1)
+    # up to transformers 5.17: the 1-D mesh of the tensor-parallel ranks (init_device_mesh without names)
+    assert distributed.tensor_parallel_rank_and_size(_Model(2, _Mesh({"tp": 2}, {"tp": 1}, names=False))) == (1, 2)
+    # from 5.18: the ("pp", "fsdp", "tp") mesh
+    mesh = _Mesh({"pp": 1, "fsdp": 2, "tp": 4}, {"pp": 0, "fsdp": 1, "tp": 3})
+    assert distributed.tensor_parallel_rank_and_size(_Model(4, mesh)) == (3, 4)
+    with pytest.raises(ValueError, match="no device mesh"):
+        distributed.tensor_parallel_rank_and_size(_Model(2))
+    with pytest.raises(ValueError, match="!= tp_size 4"):
+        distributed.tensor_parallel_rank_and_size(_Model(4, _Mesh({"tp": 2}, {"tp": 0})))
+
+
+def test_set_and_load_gates_keep_the_rank_chunk_under_tensor_parallelism(tmp_path, monkeypatch, caplog):
+    source = _model(kv_heads=2)
+    whole = _random_gates(source)
+    gates.set_gates(source, whole)
+    path = gates.save_gates(source, tmp_path)
+    model = _model(kv_heads=2)
+    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (1, 2))  # rank 1 of 2
+    gates.set_gates(model, whole)
+    assert all(torch.equal(w, whole[i][1:2]) for i, w in gates.get_gates(model).items())
+    gates.set_gates(model, None)
+    loaded = gates.load_gates(model, path, strict=True)
+    assert all(torch.equal(loaded[i], whole[i]) for i in whole), "load_gates returns the file's gates, every head"
+    assert all(torch.equal(w, whole[i][1:2]) for i, w in gates.get_gates(model).items())
+    with pytest.raises(ValueError, match="does not hold the model's 2 KV heads"):
+        gates.set_gates(model, gates.get_gates(model))  # set_gates takes whole gates
+
+    gates.set_gates(model, None)
+    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 4))  # 2 heads over 4 ranks
+    with pytest.raises(gates.GateFileError, match="2 KV heads do not split over tensor parallelism's 4 ranks"):
+        gates.load_gates(model, path, strict=True)
+    caplog.set_level(logging.WARNING)
+    assert gates.load_gates(model, path) == {} and gates.get_gates(model) == {}
+    assert len(_warnings(caplog)) == 1 and "do not split" in _warnings(caplog)[0]
+    with pytest.raises(ValueError, match="do not split"):
+        gates.set_gates(model, whole)
+    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    with pytest.raises(ValueError, match="push_gates_to_hub on a model split by tensor parallelism"):
+        gates.push_gates_to_hub(source, "org/gates")
+
+
+def test_only_the_first_tensor_parallel_rank_writes_the_gate_file_and_training_refuses_a_split_model(
+        tmp_path, monkeypatch):
+    """``save_pretrained`` runs on every rank: each gathers the heads, the group's first rank writes. Gate training
+    and evaluation read every head and refuse a split model by name."""
+    from hf_sparse import distributed, training
+
+    model = _model(kv_heads=2)
+    whole = _random_gates(model)
+    gates.set_gates(model, whole)
+    monkeypatch.setattr(gates, "gathered_gates", lambda model: whole)  # what the all-gather returns
+    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (1, 2))
+    assert gates.save_gates_alongside(model, tmp_path / "rank1") is None
+    assert not (tmp_path / "rank1").exists()
+    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    written = gates.save_gates_alongside(model, tmp_path / "rank0")
+    assert written is not None and torch.equal(gates.read_gate_file(written, gates.gate_spec(model))[0], whole[0])
+
+    monkeypatch.setattr(distributed, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    ids = torch.zeros(1, 4 * BLOCK, dtype=torch.long)
+    with pytest.raises(ValueError, match="evaluate_gates needs the whole model.*tp_size 2"):
+        training.evaluate_gates(model, ids, None)
+    with pytest.raises(ValueError, match="train_gates needs the whole model.*tp_size 2"):
+        training.train_gates(model, [ids[0]])

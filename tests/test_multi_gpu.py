@@ -1,5 +1,6 @@
 """A model spread over two GPUs: layers placed by ``device_map`` (one process) and tensor parallelism
-(``tp_plan="auto"`` under ``torchrun``, one process per GPU; the worker is ``tests/tp_worker.py``).
+(``tp_plan="auto"`` under ``torchrun``, one process per GPU; the worker is ``tests/tp_worker.py``, which
+``tests/test_tensor_parallel_cpu.py`` runs on two CPU processes).
 
 Marked ``gpu`` and ``multi_gpu``; below 2 GPUs they are skipped (reported as not run, never as passed)."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import hf_sparse
-from conftest import build, graph_config, tiny_config
+from conftest import build, selecting_config, tiny_config
 from hf_sparse.peer_tests import full_density_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
@@ -50,11 +51,10 @@ def _load(model_dir: Path, attn: str, dtype=torch.float32):
 
 
 def _sparse_config(method: str, **fields):
-    """A small-block config that selects on the tiny model's inputs (the CUDA-graph tests' one, without the
-    density probe: on a few hundred tokens it would run the prefill dense)."""
+    """A small-block config that selects on the tiny model's inputs (``conftest.selecting_config``)."""
     if method == "star":
         return hf_sparse.StarConfig(block_size=64, anchor_size=32, dense_below=0, **fields)
-    return graph_config(method, dense_above_density=None, **fields)
+    return selecting_config(method, **fields)
 
 
 def _inputs(length: int = 300):
@@ -142,15 +142,41 @@ def _torchrun(model_dir: Path, out: Path, *args: str) -> dict:
 
 
 def test_tensor_parallel_equals_sdpa_under_the_same_split(model_dir, tmp_path):
-    """``tp_plan="auto"`` on two ranks: at full density each method's prefill logits and decode scores equal
-    sdpa's under the same tensor parallelism; with sparse selection, graph decode equals eager decode; both ranks
-    agree."""
+    """Tensor parallelism (``tp_plan="auto"``, from transformers 5.18 ``distributed_config``) on two ranks: each
+    rank's attention gets half the heads and the fused decode leaves the split layers alone; at full density each
+    method's prefill logits and decode scores equal sdpa's under the same tensor parallelism; with sparse selection,
+    graph decode equals eager decode and the whole model's decode on one GPU, with PLAS gates too (a gate file
+    loaded on the sharded model keeps each rank's chunk of the KV heads; save_gates gathers them back); Star's
+    generate() path equals the whole model's and its context sharding is refused; both ranks agree."""
     report = _torchrun(model_dir, tmp_path / "tp.json")
     assert report["world_size"] == 2 and report["ranks_agree"]
+    shards = report["sharding"]
+    assert shards["attention_heads"] == [heads // 2 for heads in shards["model_heads"]], shards
+    assert shards["fusable_layers"] == 0 and not shards["fusable_head"], shards
+    fused = report["fused_step"]
+    assert fused["max_diff"] <= 1e-4 and fused["compiled"] > 0 and fused["eager_fallbacks"] == 0, fused
     for method in ("plas", "xattn"):
         row = report["full_density"][method]
         assert row["prefill_max_diff"] <= 1e-4 and row["scores_max_diff"] <= 1e-3, (method, row)
-        assert row["tokens_equal"], (method, row)
+        assert row["static_scores_max_diff"] <= 1e-3, (method, row)
+        assert row["tokens_equal"] and row["static_tokens_equal"], (method, row)
         sparse = report["sparse"][method]
         assert sparse["graph_tokens_equal_eager"] and sparse["scores_max_diff"] <= 1e-3, (method, sparse)
         assert sparse["replays"] > 0 and sparse["disabled_reason"] is None, (method, sparse)
+        assert sparse["prefill_density"] < 0.95, (method, sparse)
+        assert sparse["unsharded_prefill_max_diff"] <= 1e-4 and sparse["unsharded_scores_max_diff"] <= 1e-3, \
+            (method, sparse)
+        assert sparse["unsharded_tokens_equal"], (method, sparse)
+    gated = report["gates"]  # a gate file loaded on the sharded model: each rank keeps its chunk of the KV heads
+    assert gated["tp_size"] == 2 and gated["layers"] == [0, 1, 2], gated  # the last layer is dense: no gate
+    assert [rank["tp_rank"] for rank in gated["ranks"]] == [0, 1], gated
+    for rank in gated["ranks"]:
+        assert rank["attached_shape"] == [[1, 16, 64]] * 3, gated  # 1 of the 2 KV heads
+        assert rank["attached_is_rank_chunk"] and rank["key_rows_are_rank_chunk"], gated
+        assert rank["resaved_equal"], gated  # save_gates on the sharded model gathers every head
+    assert gated["prefill_density"] < 0.95 and gated["mean_pooling_prefill_max_diff"] > 1e-4, gated
+    assert gated["unsharded_prefill_max_diff"] <= 1e-4 and gated["unsharded_scores_max_diff"] <= 1e-3, gated
+    assert gated["unsharded_tokens_equal"], gated
+    star = report["star"]
+    assert star["unsharded_tokens_equal"] and star["unsharded_scores_max_diff"] <= 1e-3, star
+    assert "tp_size 2" in (star["context_sharding_refused"] or ""), star
