@@ -1,5 +1,5 @@
 """The kept studies' helpers (studies/): probe_layers' decision cells and refusals, fidelity_curves' averaging,
-block_scorers' scorers and specs."""
+block_scorers' scorers and specs, decode_share_passkeys' ranges."""
 import sys
 from pathlib import Path
 
@@ -135,3 +135,15 @@ def test_scored_selection_with_mean_keys_is_plas_selection_with_its_query_stride
                                        top_k=(2, 3), query_tile=48, head_union=False, sink_blocks=1,
                                        search_steps=config.search_steps, query_stride=stride)
     assert torch.equal(got.to_mask(13), expected.to_mask(13))
+
+
+def test_decode_share_passkeys_reads_decode_ranges():
+    """studies/decode_share_passkeys.py's --decode-top-k: LEFT:RIGHT (or one count), anything else a clear error."""
+    import argparse
+
+    import decode_share_passkeys
+
+    assert decode_share_passkeys._range("8:10") == (8, 10)
+    assert decode_share_passkeys._range("16") == (16, 16)
+    with pytest.raises(argparse.ArgumentTypeError, match="LEFT:RIGHT"):
+        decode_share_passkeys._range("eight")
