@@ -151,9 +151,11 @@ class PLASConfig(_MethodConfig):
         dense_layers: layer indices that always run dense; negative values count from the end (-1 = last).
         dense_below: sequences shorter than this many tokens run dense (bit-equal to sdpa). ``None`` means
             ``prefill_top_k[0] * block_size`` for prefill, as FastDeploy, and ``DECODE_DENSE_FACTOR *
-            decode_top_k[0] * block_size`` for decode (51,200 tokens at the defaults: below it the union of a GQA
-            group's selections keeps most blocks, 0.69-0.94 of them at 32K on Llama-3-8B and SmolLM2, and reading
-            every block is as fast as selecting); ``0`` forces the sparse path; a pair sets (prefill, decode)
+            decode_top_k[0] * block_size`` for decode (102,400 tokens at the defaults: below it the union of a
+            GQA group's selections keeps most blocks, 0.69-0.94 of them at 32K on Llama-3-8B and SmolLM2; on the
+            long-context default model reading every block is faster at 64K (TPOT 1.66 against 2.02 ms), as fast
+            at 128K, and at 96K it finds the pass keys dense attention finds where the sparse decode at 4x
+            finds none, docs/quality.md); ``0`` forces the sparse path; a pair sets (prefill, decode)
             separately.
         sink_blocks: leading (non-padding) blocks every query always attends, besides its own block.
         search_steps: binary-search steps of the threshold top-k.
@@ -278,7 +280,7 @@ class PLASConfig(_MethodConfig):
         return tuple(-(-k * key_length // reference) for k in self.prefill_top_k)
 
     #: Default decode ``dense_below``, in multiples of ``decode_top_k[0]`` blocks (see the field's description).
-    DECODE_DENSE_FACTOR = 4
+    DECODE_DENSE_FACTOR = 8
     #: FastDeploy's prefill top-k, every query searching (``query_stride=1``); the default ``prefill_top_k`` is 10%
     #: above it for about its density with one query in 4 searching.
     FASTDEPLOY_PREFILL_TOP_K = (50, 60)
@@ -346,8 +348,11 @@ class XAttnConfig(_MethodConfig):
         threshold: per query tile (prefill) or query (decode), the smallest set of key blocks whose estimated
             attention mass reaches this fraction is kept, in (0, 1]; 1.0 keeps every causal block. 0.99: the
             lowest threshold within the quality budget of docs/quality.md at 64K on the long-context default
-            model (top-1 agreement 0.980; 0.98 keeps 0.967, 0.9 0.928); at 128K no threshold up to 0.995 reaches
-            the budget's 0.97 (0.955 at 0.99, docs/xattn.md).
+            model (top-1 agreement 0.980; 0.98 keeps 0.967, 0.9 0.928). Longer prefills: ``long_threshold``.
+        long_threshold: ``(keys, threshold)``: a prefill call over more than ``keys`` keys selects with this
+            threshold instead of ``threshold``; ``None`` = ``threshold`` at every length. (65536, 0.999): on the
+            long-context default model 0.99 keeps top-1 0.966 at 96K and 0.955 at 128K, outside the budget, and
+            0.999 keeps 0.979 / 0.973 (0.998: 0.983 / 0.969) at density 0.36 / 0.37 (docs/xattn.md).
         decode_threshold: the decode phase's threshold (on block-summary scores), in (0, 1]; ``None`` = ``threshold``.
             0.99 even under a lower ``threshold``: the summary softmax underestimates peaked blocks (a pass key
             in 4K tokens of SmolLM2 is lost at 0.95 and kept at 0.99, docs/xattn.md).
@@ -397,6 +402,7 @@ class XAttnConfig(_MethodConfig):
     stride: int = 16
     pool: str = "mean"
     threshold: float = 0.99
+    long_threshold: tuple[int, float] | None = (65536, 0.999)
     decode_threshold: float | None = 0.99
     chunk_size: int = 16384
     gqa_reduce: str = "any"
@@ -438,6 +444,16 @@ class XAttnConfig(_MethodConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
             setattr(self, name, float(value))
+        if self.long_threshold is not None:
+            value = self.long_threshold
+            if (not isinstance(value, (tuple, list)) or len(value) != 2 or isinstance(value[1], bool)
+                    or not isinstance(value[1], (int, float)) or not 0.0 < value[1] <= 1.0):
+                raise ValueError(f"long_threshold must be None or a (keys, threshold) pair with threshold in (0, 1], "
+                                 f"got {value!r}")
+            keys = _as_int("long_threshold's keys", value[0])
+            if keys < 1:
+                raise ValueError(f"long_threshold's keys must be a positive number of tokens, got {keys}")
+            self.long_threshold = (keys, float(value[1]))
         chunk_size = _as_int("chunk_size", self.chunk_size)
         if chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size}")
@@ -464,11 +480,30 @@ class XAttnConfig(_MethodConfig):
         _check_dense_above_density(self)
         _check_prefill_mlp_chunk(self)
 
-    def mass_threshold(self, phase: str) -> float:
-        """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``."""
+    def mass_threshold(self, phase: str, key_length: int | None = None) -> float:
+        """The cumulative-mass threshold of the phase, ``"prefill"`` or ``"decode"``; a prefill over more than
+        ``long_threshold[0]`` keys (``key_length``) takes ``long_threshold[1]`` (see the field)."""
         if phase == "decode" and self.decode_threshold is not None:
             return self.decode_threshold
+        if phase == "prefill" and self.long_threshold is not None and key_length is not None:
+            keys, threshold = self.long_threshold
+            if key_length > keys:
+                return threshold
         return self.threshold
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> XAttnConfig:
+        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``long_threshold`` existed (one holding
+        :data:`STORED_FIELDS` without that field: ``save_pretrained`` of an earlier version) keeps the one
+        threshold it ran with. A partial dict gets the defaults."""
+        data = dict(data)
+        if "long_threshold" not in data and cls.STORED_FIELDS <= set(data):
+            data["long_threshold"] = None
+        return super().from_dict(data)
+
+    #: Fields that every stored XAttnConfig holds (``to_dict`` writes every field).
+    STORED_FIELDS = frozenset({"block_size", "stride", "threshold", "decode_threshold", "gqa_reduce",
+                               "keep_sink", "keep_diagonal", "dense_layers", "dense_below"})
 
     def dense_threshold(self, phase: str) -> int:
         """Sequence length below which the phase (``"prefill"`` or ``"decode"``) runs dense."""

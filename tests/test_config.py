@@ -16,11 +16,12 @@ from conftest import build, tiny_config
 def test_defaults_follow_fastdeploy():
     """FastDeploy's block size, decode top-k, union and prefill threshold rule (top_k[0] blocks); one query in 4
     searches, with a prefill top-k 10% above FastDeploy's (50, 60) for the same density; decode runs dense below
-    four times FastDeploy's threshold (where a GQA group's united selections keep most blocks)."""
+    eight times FastDeploy's threshold (102,400 tokens: where a GQA group's united selections keep most blocks,
+    and where on the long-context default model reading every block is as fast and keeps the pass keys)."""
     config = PLASConfig()
     assert config.block_size == 128 and config.prefill_top_k == (55, 66) and config.decode_top_k == (100, 120)
     assert config.query_union == 128 and config.query_stride == 4 and config.dense_layers == (-1,)
-    assert config.dense_threshold("prefill") == 55 * 128 and config.dense_threshold("decode") == 4 * 100 * 128
+    assert config.dense_threshold("prefill") == 55 * 128 and config.dense_threshold("decode") == 8 * 100 * 128 == 102400
     assert PLASConfig(dense_below=0).dense_threshold("decode") == 0
     assert PLASConfig(dense_below=(10, 20)).dense_threshold("decode") == 20
 

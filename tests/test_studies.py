@@ -1,5 +1,5 @@
 """The kept studies' helpers (studies/): probe_layers' decision cells and refusals, fidelity_curves' averaging,
-block_scorers' scorers and specs, decode_share_passkeys' ranges."""
+block_scorers' scorers and specs, decode_share_passkeys' ranges, first_call_memory's trace replay."""
 import sys
 from pathlib import Path
 
@@ -147,3 +147,26 @@ def test_decode_share_passkeys_reads_decode_ranges():
     assert decode_share_passkeys._range("16") == (16, 16)
     with pytest.raises(argparse.ArgumentTypeError, match="LEFT:RIGHT"):
         decode_share_passkeys._range("eight")
+
+
+def test_first_call_memory_replays_the_trace_to_its_peak():
+    """studies/first_call_memory.py: the allocations alive at the most-live moment of an allocator trace, summed
+    per innermost hf_sparse / transformers site; frees of allocations made before the trace are ignored."""
+    import first_call_memory as study
+
+    def frames(*names):
+        return [{"filename": f"/x/{name}", "line": 1, "name": "f"} for name in names]
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames("torch/a.py", "transformers/m.py")},
+        {"action": "free_completed", "addr": 99, "size": 500, "frames": []},  # allocated before the trace
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames("hf_sparse/cache.py")},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},  # not yet free
+        {"action": "alloc", "addr": 3, "size": 30, "frames": frames("hf_sparse/cache.py")},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": frames("other.py")},
+    ]
+    best, alive = study.live_at_peak(trace)
+    assert best == 180 and sorted(alive) == [1, 2, 3]
+    assert study.by_site(alive.values()) == [("m.py:1:f", 100), ("cache.py:1:f", 80)]
+    assert study.site(frames("other.py", "torch/b.py")) == "other.py:1:f"

@@ -41,6 +41,50 @@ def test_config_defaults_and_registry():
     assert XAttnConfig(dense_last=0, decode_threshold=0.99).mass_threshold("decode") == 0.99
     assert config.is_dense_layer(29, 30) and not config.is_dense_layer(0, 30)
     assert METHODS["xattn"] is XAttnMethod
+
+
+def test_long_threshold_takes_over_past_its_keys():
+    """Past 65,536 keys a prefill selects at 0.999 (0.99 is outside the quality budget at 96K and 128K on the
+    long-context model); decode keeps decode_threshold; None keeps threshold at every length."""
+    config = XAttnConfig()
+    assert config.long_threshold == (65536, 0.999)
+    assert config.mass_threshold("prefill") == 0.99
+    assert config.mass_threshold("prefill", 65536) == 0.99 and config.mass_threshold("prefill", 65537) == 0.999
+    assert config.mass_threshold("decode", 131072) == 0.99
+    assert XAttnConfig(long_threshold=None).mass_threshold("prefill", 131072) == 0.99
+    assert XAttnConfig(long_threshold=[100, 0.5]).long_threshold == (100, 0.5)
+    # A configuration stored before the field existed keeps its one threshold; a partial dict gets the default.
+    stored = XAttnConfig(threshold=0.9).to_dict()
+    del stored["long_threshold"]
+    assert XAttnConfig.from_dict(stored).long_threshold is None
+    assert XAttnConfig.from_dict({"stride": 8}).long_threshold == (65536, 0.999)
+
+
+@pytest.mark.parametrize("value", [0.999, (65536,), (65536, 0.0), (65536, 1.5), (0, 0.9), (65536.0, 0.9),
+                                   (65536, True)])
+def test_long_threshold_invalid_names_the_field(value):
+    with pytest.raises(ValueError, match="long_threshold"):
+        XAttnConfig(long_threshold=value)
+
+
+def test_prefill_selection_takes_the_call_length_threshold():
+    """A prefill past long_threshold's keys selects as a config with that threshold does, and the density probe's
+    sample selects at its call's length (call_length), not its own."""
+    torch.manual_seed(3)
+    query, key = torch.randn(1, 4, 150, 16), torch.randn(1, 2, 150, 16)
+    kwargs = dict(scale=0.25, q_offset=0, kv_start=torch.tensor([0]))
+    base = dict(dense_last=0, block_size=16, stride=4)
+    long = XAttnMethod(XAttnConfig(threshold=0.3, long_threshold=(100, 0.9), **base))
+    high = XAttnMethod(XAttnConfig(threshold=0.9, long_threshold=None, **base))
+    low = XAttnMethod(XAttnConfig(threshold=0.3, long_threshold=None, **base))
+    mask = long.select_prefill(query, None, key, **kwargs).to_mask(10)
+    assert torch.equal(mask, high.select_prefill(query, None, key, **kwargs).to_mask(10))
+    assert mask.sum() > low.select_prefill(query, None, key, **kwargs).to_mask(10).sum()
+    short = long.select_prefill(query[:, :, :80], None, key[:, :, :80], **kwargs).to_mask(5)
+    assert torch.equal(short, low.select_prefill(query[:, :, :80], None, key[:, :, :80], **kwargs).to_mask(5))
+    probe = long.select_prefill(query[:, :, :80], None, key[:, :, :80], probe=True, call_length=150, **kwargs)
+    assert torch.equal(probe.to_mask(5), high.select_prefill(query[:, :, :80], None, key[:, :, :80], probe=True,
+                                                             **kwargs).to_mask(5))
     assert config_from_dict({"method": "xattn", "stride": 4}) == XAttnConfig(stride=4)
 
 

@@ -55,8 +55,8 @@ class XAttnMethod:
         probe: bool = False, call_length: int | None = None,
     ) -> BlockSelection:
         """``probe``: the queries are a sample of a longer prefill's (the density probe), not its end, so the
-        ``dense_last`` tail does not apply. ``call_length`` (that prefill's key length) is PLAS's: a mass
-        threshold has no length rule."""
+        ``dense_last`` tail does not apply. ``call_length``: the key length of the prefill call these queries
+        belong to, which sets the threshold (``XAttnConfig.mass_threshold``); None = these keys' length."""
         config = self.config
         block_size = config.block_size
         batch, _, num_queries, _ = query.shape
@@ -65,6 +65,7 @@ class XAttnMethod:
         num_blocks = reference.num_row_blocks(key_length, kv_start, block_size)
         num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, block_size)
         tiles_per_chunk = num_tiles if config.prefill_chunk is None else config.prefill_chunk // block_size
+        threshold = config.mass_threshold("prefill", key_length if call_length is None else call_length)
         mask = torch.zeros(batch, kv_heads, num_tiles, num_blocks, dtype=torch.bool, device=query.device)
         # Every tile's (available, forced) at once: a few launches per call, not per chunk (1/Hkv of the mask).
         available, forced = self._tile_blocks(num_queries, q_offset, kv_start.starts, 0, num_tiles, num_blocks,
@@ -78,7 +79,7 @@ class XAttnMethod:
             )
             chunk = slice(first_tile, first_tile + count)
             chosen = kernels.cumulative_threshold_select(
-                mass, available[:, None, chunk], forced[:, None, chunk], config.mass_threshold("prefill")
+                mass, available[:, None, chunk], forced[:, None, chunk], threshold
             )
             mask[:, :, chunk] = self._reduce_group(chosen, kv_heads)
         return BlockSelection.from_mask(mask, block_size=block_size, query_tile=block_size)
