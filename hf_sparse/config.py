@@ -68,10 +68,20 @@ class _MethodConfig:
         data = dataclasses.asdict(self)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
+    #: Fields of the first version of the config, in every stored configuration (``to_dict`` writes every field).
+    STORED_FIELDS = frozenset()
+    #: Fields added later whose default changed what a config does, with the value an earlier version ran with: a
+    #: stored dict holding :data:`STORED_FIELDS` but not such a field (``save_pretrained`` of an earlier version)
+    #: gets that value, not the new default.
+    EARLIER_VALUES = {}
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        """Inverse of :meth:`to_dict`; unknown keys raise. A dict stored by an earlier version keeps what it ran
+        with (:data:`EARLIER_VALUES`); a partial dict gets the defaults."""
         data = dict(data)
+        if cls.STORED_FIELDS and cls.STORED_FIELDS <= set(data):
+            data = {**{name: value for name, value in cls.EARLIER_VALUES.items() if name not in data}, **data}
         expected = cls.__dataclass_fields__["method"].default
         method = data.pop("method", expected)
         if method != expected:
@@ -255,19 +265,10 @@ class PLASConfig(_MethodConfig):
         _check_flags(self, "decode_cuda_graph", "decode_compile", "decode_fused_layers", "density_memory",
                      "trim_last_layer")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PLASConfig:
-        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``prefill_top_k_length`` existed (one holding
-        :data:`STORED_FIELDS`, which every version's ``to_dict`` wrote, without that field: ``save_pretrained`` of
-        an earlier version) keeps the fixed counts it ran with. A partial dict gets the defaults."""
-        data = dict(data)
-        if "prefill_top_k_length" not in data and cls.STORED_FIELDS <= set(data):
-            data["prefill_top_k_length"] = None
-        return super().from_dict(data)
-
-    #: The fields of the first PLASConfig: in every stored configuration (``to_dict`` writes every field).
     STORED_FIELDS = frozenset({"block_size", "prefill_top_k", "decode_top_k", "query_union", "dense_layers",
                                "dense_below", "sink_blocks", "search_steps"})
+    #: A config stored before ``prefill_top_k_length`` existed keeps the fixed counts it ran with.
+    EARLIER_VALUES = {"prefill_top_k_length": None}
 
     def top_k(self, phase: str, key_length: int | None = None) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``; a prefill over ``key_length``
@@ -491,19 +492,10 @@ class XAttnConfig(_MethodConfig):
                 return threshold
         return self.threshold
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> XAttnConfig:
-        """As :meth:`_MethodConfig.from_dict`; a dict stored before ``long_threshold`` existed (one holding
-        :data:`STORED_FIELDS` without that field: ``save_pretrained`` of an earlier version) keeps the one
-        threshold it ran with. A partial dict gets the defaults."""
-        data = dict(data)
-        if "long_threshold" not in data and cls.STORED_FIELDS <= set(data):
-            data["long_threshold"] = None
-        return super().from_dict(data)
-
-    #: Fields that every stored XAttnConfig holds (``to_dict`` writes every field).
     STORED_FIELDS = frozenset({"block_size", "stride", "threshold", "decode_threshold", "gqa_reduce",
                                "keep_sink", "keep_diagonal", "dense_layers", "dense_below"})
+    #: A config stored before ``long_threshold`` existed keeps the one threshold it ran with.
+    EARLIER_VALUES = {"long_threshold": None}
 
     def dense_threshold(self, phase: str) -> int:
         """Sequence length below which the phase (``"prefill"`` or ``"decode"``) runs dense."""
