@@ -15,13 +15,14 @@ For each length L of --lengths and each method of --methods (sdpa, the dense ref
 * density: attended / causal key blocks of the scoring forward's sparse layers ("dense": every layer ran sdpa).
 * budget (--budget): PPL <= 1.01x sdpa's, top-1 >= 0.97, every pass key sdpa finds found: pass or what failed.
 
-Star Attention takes a context and a query apart. Its PPL scores the targets as its query (context: the window
-before their first prediction, one forward with ``query_tokens`` = targets + 1, as ``studies/fidelity_curves.py``
-scores Star's query positions); its KL / top-1 at a position p before them is Star's prediction with the window up
-to p as its context and p's token as the query (``query_tokens=1``): the context encoded once without the dense
-fallback, cut back to p for each position, then Star's own query phase; where Star's rules would run a context of
-p tokens dense, the prediction is sdpa's. Its pass keys: ``hf_sparse.star_attention.generate`` with the haystack as
-context and the question as query.
+Star Attention takes a context and a query apart: a prediction at position p is that of a forward over the window
+up to p whose last ``q = max(query_tokens, 1)`` tokens are the query (``q > 1``: the tri-shape, those tokens dense over
+everything before them). Its PPL scores the targets in one query (from ``q - 1`` tokens before their first prediction
+to the window's end, as ``studies/fidelity_curves.py`` scores Star's query positions); at an earlier position p the
+context (the window up to ``p - q + 1``) is encoded once without the dense fallback and cut back for each position,
+then Star's own query phase runs the q tokens; where Star's rules would run that context dense, the prediction is
+sdpa's. Its pass keys: ``hf_sparse.star_attention.generate`` with the question, or the last ``q`` tokens if more, as
+the query and the haystack before it as context.
 
 Output: the table last on stdout under a header (device, versions, date, model, rope scaling, texts); --json FILE
 (atomic, rewritten after every row, so a run cut short keeps what it measured); --png FILE (PPL and top-1 against
@@ -247,39 +248,45 @@ def star_context_runs_dense(config: hf_sparse.StarConfig, context_length: int) -
 
 @torch.no_grad()
 def score_star(model: Any, window: Window, config: hf_sparse.StarConfig, dense: Scored) -> Scored:
-    """Star's log-probabilities at the kept positions (the module docstring says what each one is)."""
+    """Star's log-probabilities at the kept positions (the module docstring says what each one is). A prediction at
+    position p is that of a plain forward over the window up to p: its last ``q = max(config.query_tokens, 1)``
+    tokens are the query (dense over everything before them, the tri-shape of ``q > 1``), the rest the context."""
     device = model.device
     ids = window.input_ids.to(device)
-    context = window.first_prediction
-    in_query = window.kept >= context
+    tail = max(config.query_tokens, 1) - 1  # query tokens before the predicting one
+    context = max(window.first_prediction - tail, 0)
+    in_query = window.kept >= window.first_prediction
     log_probs = torch.empty_like(dense.log_probs)
-    # The targets as the query of one forward: context = the window before their first prediction.
+    # The targets as the query of one forward, with the q - 1 tokens before their first prediction.
     hf_sparse.configure(model, replace(config, query_tokens=window.length - context))
     with hf_sparse.record_sparsity() as recorder:
         logits = model(ids, use_cache=False, logits_to_keep=window.kept[in_query].to(device)).logits
     log_probs[in_query.to(device)] = torch.log_softmax(logits[0].float(), -1)
     density, reason = _recorded(recorder, "context")
-    # Earlier positions p: Star with the window up to p as context and p's token as a one-token query.
-    early = [(row, int(position)) for row, position in enumerate(window.kept.tolist()) if position < context]
-    as_dense = [row for row, position in early if star_context_runs_dense(config, position)]
+    # Earlier positions p: Star with the window up to p - q + 1 as context and the q tokens up to p as the query.
+    early = [(row, int(position), max(int(position) - tail, 0)) for row, position in enumerate(window.kept.tolist())
+             if position < window.first_prediction]
+    as_dense = [row for row, _, start in early if star_context_runs_dense(config, start)]
     if as_dense:
         log_probs[as_dense] = dense.log_probs[as_dense]
-    sparse = [(row, position) for row, position in early if not star_context_runs_dense(config, position)]
+    sparse = [item for item in early if not star_context_runs_dense(config, item[2])]
     if sparse:
         # Phase 1 once over the longest context needed, every layer sparse as Star runs such a context; a
         # shorter context's KV is its prefix (causal, blocks counted from the window's start).
         whole = replace(config, dense_below=0, dense_above_density=None)
-        encoded = star_attention.encode_context(model, ids[:, :sparse[-1][1]], config=whole)
+        encoded = star_attention.encode_context(model, ids[:, :sparse[-1][2]], config=whole)
         hf_sparse.configure(model, config)
-        for row, position in tqdm(sparse[::-1], desc="star: context positions", unit="pos", leave=False):
+        for row, position, start in tqdm(sparse[::-1], desc="star: context positions", unit="pos", leave=False):
             for layer in encoded.cache.layers:  # longest first: each cut only shortens the cache
-                layer.crop(position)
-            logits = model(ids[:, position: position + 1], position_ids=torch.tensor([[position]], device=device),
-                           use_cache=True, **{CACHE_KWARG: encoded.cache}).logits
+                layer.crop(start)
+            positions = torch.arange(start, position + 1, device=device)[None]
+            logits = model(ids[:, start: position + 1], position_ids=positions, use_cache=True,
+                           logits_to_keep=1, **{CACHE_KWARG: encoded.cache}).logits
             log_probs[row] = torch.log_softmax(logits[0, -1].float(), -1)
         del encoded
+    query = "one-token queries" if not tail else f"queries of the {tail + 1} tokens up to them"
     scored = (f"targets: query of {window.length - context} tokens after a context of {context}; earlier positions: "
-              f"one-token queries after the window up to them ({len(sparse)} through Star's phase 1, "
+              f"{query} after the window before them ({len(sparse)} through Star's phase 1, "
               f"{len(as_dense)} where Star runs dense)")
     return Scored(log_probs, density, reason, scored, {"star_context": context, "star_positions_phase1": len(sparse),
                                                        "star_positions_dense": len(as_dense)})
@@ -309,7 +316,8 @@ def answer(model: Any, tokenizer: Any, prompt: Any, method: str, new_tokens: int
     options = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": pad}
     if isinstance(config, hf_sparse.StarConfig):
         hf_sparse.configure(model, config)
-        split = prompt.context_length
+        split = prompt.context_length  # the question is the query; with query_tokens q, at least the last q tokens
+        split = max(min(split, ids.shape[1] - config.query_tokens), 1)
         output = star_attention.generate(model, ids[:, :split], ids[:, split:], config=config, **options)
     else:
         if config is None:

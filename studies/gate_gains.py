@@ -45,8 +45,12 @@ from block_scorers import (SCORERS, LayerCursor, build_scorers, fit_key_bases, p
                            scored_selection)
 
 
-PLOT_TITLE = ("PLAS gates and block scorers vs mean pooling, SmolLM2-135M-Instruct on held-out prose: mean over "
-              "{sequences} windows per point (error bars: standard error)")
+PLOT_TITLE = ("PLAS gates and block scorers vs mean pooling, SmolLM2-135M-Instruct{model} on held-out prose: mean "
+              "over {sequences} windows per point (error bars: standard error)")
+
+
+def plot_title(args) -> str:
+    return PLOT_TITLE.format(sequences=args.sequences, model=" (long-context)" if args.long_context else "")
 
 
 def sparse_logprobs(model, ids: torch.Tensor, config: hf_sparse.PLASConfig, last_n: int) -> tuple[torch.Tensor, float]:
@@ -126,6 +130,9 @@ def main() -> None:
                         help="windows of training code (of the longest --lengths) that fitted-low-rank is fitted on")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
                         help="no run: the tables and --png of earlier runs' --json files (their rows together)")
+    parser.add_argument("--long-context", action="store_true",
+                        help="the long-context default model (load_default_model(long_context=True): YaRN and the "
+                             "shipped adapter), the one that attends past 8K")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.03, 0.05, 0.08, 0.12, 0.18])
@@ -146,12 +153,14 @@ def main() -> None:
         rows = [row for index, row in enumerate(rows)  # a curve measured in several runs (mean pooling): the first
                 if (row["length"], row["block"], row["gates"], row["fraction"]) not in
                 {(r["length"], r["block"], r["gates"], r["fraction"]) for r in rows[:index]}]
-        counts = sorted({run["args"]["sequences"] for run in runs})
+        counts = sorted({len({sample["window"] for sample in run["samples"]}) if run.get("samples")
+                         else run["args"]["sequences"] for run in runs})  # a cut run: the windows it finished
         args.sequences = "-".join(str(count) for count in counts)
         args.last_n = runs[0]["args"]["last_n"]
+        args.long_context = runs[0]["args"].get("long_context", False)
         report(rows, runs[0]["environment"], args)
         if args.png:
-            plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
+            plot(rows, args.png, plot_title(args))
         return
     if not args.gates and not args.scorers:
         parser.error("name at least one gate file (--gates), scorer (--scorers) or earlier runs (--replot)")
@@ -163,7 +172,8 @@ def main() -> None:
         parser.error("--query-stride must be >= 1")
     env = environment()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device)
+    model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=dtype, device=args.device,
+                                          long_context=args.long_context)
     fitted, cursor = None, None
     if any(name == "fitted-low-rank" for name, _, _ in specs):
         fit_start = time.perf_counter()
@@ -227,7 +237,7 @@ def main() -> None:
         write_json(args.json, {"environment": env, "args": vars(args), "samples": samples, "rows": rows,
                                "matched": matched(rows), "block_scores": scores})
     if args.png:
-        plot(rows, args.png, PLOT_TITLE.format(sequences=args.sequences))
+        plot(rows, args.png, plot_title(args))
 
 
 def block_scores(model, tokenizer, files, names, args) -> list[dict]:

@@ -3,6 +3,7 @@ by construction, Star's per-position predictions against Star itself, and a tiny
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,31 +108,34 @@ def test_a_sparse_method_moves_the_distribution(model):
     assert kl > 0.0
 
 
-def test_star_scores_each_position_as_star_predicts_it(model):
-    """Each position before the targets: the log-probabilities Star gives with the window up to it as context and its
-    token as a one-token query (a forward of that prefix with query_tokens=1), on both sides of Star's
-    dense_above_density rule; the targets: Star's query of one forward over the window."""
-    from dataclasses import replace
-
+@pytest.mark.parametrize("query_tokens", [1, 5])
+def test_star_scores_each_position_as_star_predicts_it(model, query_tokens):
+    """Each position p before the targets: the log-probabilities of a plain Star forward over the window up to p
+    whose last query_tokens tokens are the query (the tri-shape when more than one), on both sides of Star's
+    dense_above_density rule (judged on the context before that query); the targets: Star's query of one forward
+    over the window, from query_tokens - 1 tokens before their first prediction."""
     window = bq.scoring_window(random_text(), 2000, 320, 24, 12, 32)
     dense = bq.score_method(model, window, "sdpa")
-    name = "star-block_size=32-anchor_size=16"
+    name = f"star-block_size=32-anchor_size=16-query_tokens={query_tokens}"
     scored = bq.score_method(model, window, name, dense)
     config = bq.sparse_config(name)
+    assert config.query_tokens == query_tokens
     early = [(row, p) for row, p in enumerate(window.kept.tolist()) if p < window.first_prediction]
-    sides = {runs_dense: [item for item in early if bq.star_context_runs_dense(config, item[1]) == runs_dense]
+    sides = {runs_dense: [item for item in early
+                          if bq.star_context_runs_dense(config, item[1] + 1 - query_tokens) == runs_dense]
              for runs_dense in (True, False)}
     assert len(sides[True]) >= 2 and len(sides[False]) >= 2
     assert scored.extra["star_positions_phase1"] == len(sides[False])
-    hf_sparse.configure(model, replace(config, query_tokens=1))
+    hf_sparse.configure(model, config)
     with torch.no_grad():
         for row, position in sides[True][-2:] + sides[False][:2] + sides[False][-1:]:
             with hf_sparse.record_sparsity() as recorder:
                 reference = torch.log_softmax(model(window.input_ids[:, :position + 1]).logits[0, -1], -1)
             ran_dense = all(record.dense_reason is not None for record in recorder.records if record.phase == "context")
-            assert ran_dense == bq.star_context_runs_dense(config, position)
+            assert ran_dense == bq.star_context_runs_dense(config, position + 1 - query_tokens)
             torch.testing.assert_close(scored.log_probs[row], reference, atol=1e-5, rtol=1e-5)
-        hf_sparse.configure(model, replace(config, query_tokens=window.length - window.first_prediction))
+        targets_query = window.length - window.first_prediction + query_tokens - 1
+        hf_sparse.configure(model, replace(config, query_tokens=targets_query))
         query = torch.log_softmax(model(window.input_ids).logits[0, window.kept[window.predictions]], -1)
     torch.testing.assert_close(scored.log_probs[window.predictions], query, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(scored.log_probs[window.spread], dense.log_probs[window.spread], atol=1e-3)

@@ -181,6 +181,44 @@ def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
 
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_sparse_prefill_one_tile_over_every_block_is_causal_attention(size, shape):
+    """Star's phase 2 of a long query (``star_attention._long_query_attention``): the last ``Sq`` queries as one tile
+    over every key block (``StarMethod.full_selection``), left-padded rows, equal exact causal attention written
+    out in float64."""
+    from hf_sparse.config import StarConfig
+    from hf_sparse.methods.star import StarMethod
+
+    batch, q_heads, kv_heads, dim, dim_v, dtype_name = shape
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed(shape, "one tile"))
+    d = dims(size)
+    length, block, num_queries = d["length"], d["block"], d["chunk"]
+    q_offset = length - num_queries
+    query = bnsd(batch, q_heads, num_queries, dim, dtype, "bnsd", gen)
+    key = bnsd(batch, kv_heads, length, dim, dtype, "bsnd", gen)
+    value = bnsd(batch, kv_heads, length, dim_v, dtype, "bsnd", gen)
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    kv_start[-1] = q_offset + 5  # a row whose padding reaches into the query
+    selection = StarMethod(StarConfig(block_size=block)).full_selection(batch, kv_heads, num_queries, length,
+                                                                        torch.device(DEVICE))
+    assert selection.num_query_tiles == 1 and selection.query_tile == num_queries
+    out, _ = kernels.sparse_attention(query, key, value, selection, scale=dim ** -0.5, q_offset=q_offset,
+                                      kv_start=kv_start)
+    group = q_heads // kv_heads
+    logits = query.double() @ key.double().repeat_interleave(group, 1).transpose(-1, -2) * dim ** -0.5
+    q_slot = torch.arange(q_offset, length, device=DEVICE)
+    k_slot = torch.arange(length, device=DEVICE)
+    visible = (k_slot[None, None, :] <= q_slot[None, :, None]) & (k_slot[None, None, :] >= kv_start[:, None, None])
+    real = q_slot[None, :] >= kv_start[:, None]  # [B, Sq]
+    probs = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num()
+    expected = probs @ value.double().repeat_interleave(group, 1)
+    real_rows = real[:, None, :].expand(-1, q_heads, -1)
+    assert rel_err(out[real_rows], expected[real_rows]) <= REL_TOL[dtype]
+    assert (out[~real_rows] == 0).all()
+
+
 @pytest.mark.parametrize("block, block_n", [(32, 16), (64, 16)])
 @pytest.mark.parametrize("variant", ["plain", "chunk", "softcap", "int8"])
 def test_sparse_prefill_several_key_tiles_per_block(block, block_n, variant, monkeypatch):
