@@ -522,6 +522,38 @@ def test_select_blocks_query_stride(size, stride, phase, batch, q_heads, kv_head
         ref.select_blocks(query, summaries, **{**kwargs, "query_stride": 0})
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("phase, batch, q_heads, kv_heads, stride", [
+    ("prefill", 1, 4, 4, 1), ("prefill_union", 3, 8, 2, 1), ("chunk_union", 3, 6, 2, 1), ("prefill", 2, 4, 2, 3),
+    ("chunk_union", 2, 8, 1, 8),
+])
+def test_select_blocks_from_logits(size, phase, batch, q_heads, kv_heads, stride):
+    """Given block logits (e.g. a key scorer's; a transposed, non-contiguous view), the selection kernel equals the
+    reference: prefill and a later chunk (q_offset > 0), per head or united over GQA groups, with a query stride,
+    left padding. Three exact logit levels, so no cut falls near a logit in any arithmetic."""
+    gen = torch.Generator().manual_seed(seed("from logits", phase, batch, q_heads, stride))
+    d = dims(size)
+    length, block, tile = d["length"], d["block"], d["tile"]
+    if size == "small":
+        block = 4  # 21 blocks
+    top_k = (2, 3) if size == "small" else (8, 12)
+    num_queries = length if phase.startswith("prefill") else d["chunk"]
+    q_offset = length - num_queries
+    kv_start = left_padding(batch, length, gen).to(DEVICE)
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    levels = torch.tensor([0.0, -4.0, -8.0])
+    logits = levels[torch.randint(0, 3, (batch, q_heads, num_blocks, num_queries), generator=gen)]
+    logits = logits.to(DEVICE).transpose(2, 3)  # [B, Hq, Sq, nb], block-major in memory
+    kwargs = dict(kv_heads=kv_heads, q_offset=q_offset, kv_start=kv_start, block_size=block, top_k=top_k,
+                  query_tile=tile, head_union=phase.endswith("union"), sink_blocks=1, key_length=length,
+                  query_stride=stride)
+    expected = ref.select_blocks_from_logits(logits, **kwargs)
+    selection = kernels.select_blocks_from_logits(logits, **kwargs)
+    assert torch.equal(selection.counts, expected.counts)
+    assert torch.equal(selection.indices, expected.indices)
+    assert (expected.counts > 0).any() and (expected.counts < num_blocks).any()
+
+
 @pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])
 def test_decode_select_spans_several_block_chunks(dtype, num_queries):
     """A decode row of 150-odd blocks: its logits come from several programs, the last of which selects."""

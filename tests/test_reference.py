@@ -331,3 +331,27 @@ def test_softcap_and_sinks_errors():
         ref.sparse_attention(q, k, k, selection, sinks=torch.zeros(2), **args)
     with pytest.raises(ValueError, match="softcap"):
         ref.antidiagonal_block_scores(q, k, softcap=-1.0, block_size=16, stride=4, **args)
+
+
+@pytest.mark.parametrize("head_union, stride, q_offset", [(False, 1, 0), (True, 1, 0), (True, 4, 40)])
+def test_selection_from_logits_equals_selection_from_their_summaries(head_union, stride, q_offset):
+    """Block logits computed from summaries (``block_logits``) and handed to ``select_blocks_from_logits`` select what
+    ``select_blocks`` selects from the summaries: the two share every step after the logits."""
+    torch.manual_seed(3)
+    batch, q_heads, kv_heads, dim, length, block = 2, 6, 2, 16, 150, 8
+    num_queries = length - q_offset
+    kv_start = torch.tensor([0, 23])
+    num_blocks = ref.num_row_blocks(length, kv_start, block)
+    query = torch.randn(batch, q_heads, num_queries, dim)
+    summaries = torch.randn(batch, kv_heads, num_blocks, dim)
+    kwargs = dict(q_offset=q_offset, kv_start=kv_start, block_size=block, top_k=(3, 4), query_tile=16,
+                  head_union=head_union, key_length=length, query_stride=stride)
+    everything = torch.ones(batch, num_queries, num_blocks, dtype=torch.bool)
+    logits = ref.block_logits(query, summaries, 0.25, everything)
+    from_logits = ref.select_blocks_from_logits(logits, kv_heads=kv_heads, **kwargs)
+    from_summaries = ref.select_blocks(query, summaries, scale=0.25, **kwargs)
+    assert torch.equal(from_logits.counts, from_summaries.counts)
+    assert torch.equal(from_logits.indices, from_summaries.indices)
+    assert (from_logits.counts < num_blocks).any()
+    with pytest.raises(ValueError, match="kv_heads"):
+        ref.select_blocks_from_logits(logits, kv_heads=4, **kwargs)

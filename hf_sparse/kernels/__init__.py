@@ -164,6 +164,13 @@ def select_blocks(query, summaries, **kwargs):
     return reference.select_blocks(query, summaries, **_host_length(kwargs, query.shape[2]))
 
 
+def select_blocks_from_logits(logits, **kwargs):
+    """See :func:`reference.select_blocks_from_logits`."""
+    if backend_for(logits) == "triton":
+        return _on_device(_TRITON_OPS[1].select_blocks_from_logits, logits, **kwargs)
+    return reference.select_blocks_from_logits(logits, **kwargs)
+
+
 def sparse_attention(query, key, value, selection, **kwargs):
     """See :func:`reference.sparse_attention`. On Triton, a selection with one query tile over at most 16
     queries (decode, assisted/speculative decoding) runs the split decode kernel, anything else the prefill

@@ -241,27 +241,76 @@ def select_blocks(
     With ``query_stride`` S > 1 only the tile's queries ``S - 1, 2S - 1, ...`` and its last query run the
     threshold top-k; the others add only their forced blocks.
     """
+    kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
+
+    def logits_of(q0: int, q1: int, available: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return block_logits(query[:, :, q0:q1], summaries, scale, available, bias)
+
+    return _select(logits_of, query.shape, kv_heads, num_blocks, q_offset=q_offset, kv_start=kv_start,
+                   block_size=block_size, top_k=top_k, query_tile=query_tile, head_union=head_union,
+                   sink_blocks=sink_blocks, search_steps=search_steps, key_length=key_length,
+                   alibi_slopes=alibi_slopes, query_stride=query_stride, device=query.device)
+
+
+def select_blocks_from_logits(
+    logits: torch.Tensor,
+    *,
+    kv_heads: int,
+    q_offset: int,
+    kv_start: torch.Tensor | RowLayout,
+    block_size: int,
+    top_k: tuple[int, int],
+    query_tile: int,
+    head_union: bool,
+    sink_blocks: int = 1,
+    search_steps: int = 16,
+    key_length: int | None = None,
+    query_stride: int = 1,
+) -> BlockSelection:
+    """:func:`select_blocks` with each query's block scores given: ``logits`` ``[B, Hq, Sq, num_blocks]`` (float32,
+    any finite value where a block is visible; what lies past a query's causal blocks is ignored), e.g. each block's
+    largest logit in a few key directions (:func:`pooled_block_logits` of projected queries and keys)."""
+    if logits.dim() != 4:
+        raise ValueError(f"logits must be [B, Hq, Sq, num_blocks], got {tuple(logits.shape)}")
+    batch, q_heads, num_queries, num_blocks = logits.shape
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide the query heads ({q_heads})")
+
+    def logits_of(q0: int, q1: int, available: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return logits[:, :, q0:q1].float().masked_fill(~available[:, None], float("-inf"))
+
+    return _select(logits_of, (batch, q_heads, num_queries, 0), kv_heads, num_blocks, q_offset=q_offset,
+                   kv_start=kv_start, block_size=block_size, top_k=top_k, query_tile=query_tile,
+                   head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps, key_length=key_length,
+                   alibi_slopes=None, query_stride=query_stride, device=logits.device)
+
+
+def _select(logits_of, query_shape, kv_heads: int, num_blocks: int, *, q_offset: int,
+            kv_start: torch.Tensor | RowLayout, block_size: int, top_k: tuple[int, int], query_tile: int,
+            head_union: bool, sink_blocks: int, search_steps: int, key_length: int | None,
+            alibi_slopes: torch.Tensor | None, query_stride: int, device: torch.device) -> BlockSelection:
+    """The selection of :func:`select_blocks` with the block logits of queries ``q0:q1`` from
+    ``logits_of(q0, q1, available, bias)``."""
     if query_stride < 1:
         raise ValueError(f"query_stride must be >= 1, got {query_stride}")
-    batch, q_heads, num_queries, _ = query.shape
-    kv_heads, num_blocks = summaries.shape[1], summaries.shape[2]
+    batch, q_heads, num_queries, _ = query_shape
     key_length = q_offset + num_queries if key_length is None else key_length
     num_tiles = num_query_tiles(num_queries, q_offset, kv_start, query_tile)
-    kv_start = row_starts(kv_start).to(query.device)
+    kv_start = row_starts(kv_start).to(device)
     pad_q = padding_queries(num_queries, q_offset, kv_start)
-    block_ids = torch.arange(num_blocks, device=query.device)
-    tile_mask = torch.zeros(batch, q_heads, num_tiles + 1, num_blocks, dtype=torch.uint8, device=query.device)
+    block_ids = torch.arange(num_blocks, device=device)
+    tile_mask = torch.zeros(batch, q_heads, num_tiles + 1, num_blocks, dtype=torch.uint8, device=device)
     for q0 in range(0, num_queries, _QUERY_CHUNK):
         q1 = min(num_queries, q0 + _QUERY_CHUNK)
-        query_ids = torch.arange(q0, q1, device=query.device)
+        query_ids = torch.arange(q0, q1, device=device)
         available = block_availability(q1 - q0, num_blocks, q_offset + q0, kv_start, block_size, key_length)
         bias = None
         if alibi_slopes is not None:
             q_slot = q_offset + query_ids  # [q]
             centre = kv_start[:, None] + block_ids[None, :] * block_size + (block_size - 1) / 2  # [B, nb]
             distance = torch.minimum(centre[:, None, :], q_slot[None, :, None].float()) - q_slot[None, :, None]
-            bias = alibi_slopes.float().to(query.device)[None, :, None, None] * distance[:, None]  # [B, Hq, q, nb]
-        logits = block_logits(query[:, :, q0:q1], summaries, scale, available, bias)
+            bias = alibi_slopes.float().to(device)[None, :, None, None] * distance[:, None]  # [B, Hq, q, nb]
+        logits = logits_of(q0, q1, available, bias)
         chosen = threshold_topk(logits, available[:, None], top_k, search_steps)
         own_block = torch.div(q_offset + query_ids[None, :] - kv_start[:, None], block_size, rounding_mode="floor")
         forced = (block_ids[None, None, :] == own_block[..., None]) | (block_ids < sink_blocks)[None, None, :]

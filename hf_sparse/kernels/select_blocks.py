@@ -154,7 +154,7 @@ def _select_blocks_kernel(
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr, QUERY_STRIDE: tl.constexpr,
-    TILE_ROWS: tl.constexpr,
+    TILE_ROWS: tl.constexpr, LOGITS_IN: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -189,11 +189,16 @@ def _select_blocks_kernel(
         own_block = (q_slot - kv_start) // BLOCK_SIZE
         row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
 
-        # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
-        logits = _block_logits(
-            q_base + head.to(tl.int64) * stride_qh + query.to(tl.int64) * stride_qs, s_base + blocks * stride_sn,
-            stride_qd, stride_sd, real, blocks <= tl.max(row_last, 0), row_last, scale, SLOPES, head, q_slot, kv_start,
-            blocks, BLOCK_Q, NB_PAD, BLOCK_SIZE, HEAD_DIM, D_PAD, D_CHUNK, DOT_DTYPE, PRECISION, ALIBI)
+        if LOGITS_IN:  # S holds each query's block logits [B, Hq, Sq, num_blocks] (strides b, head, query, block)
+            rows_in = S + b.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + query.to(tl.int64) * stride_sn
+            logits = tl.load(rows_in[:, None] + blocks[None, :] * stride_sd,
+                             mask=blocks[None, :] <= row_last[:, None], other=float("-inf")).to(tl.float32)
+        else:
+            # Summaries past the chunk's last visible block are not read (masked lanes fetch nothing).
+            logits = _block_logits(
+                q_base + head.to(tl.int64) * stride_qh + query.to(tl.int64) * stride_qs, s_base + blocks * stride_sn,
+                stride_qd, stride_sd, real, blocks <= tl.max(row_last, 0), row_last, scale, SLOPES, head, q_slot,
+                kv_start, blocks, BLOCK_Q, NB_PAD, BLOCK_SIZE, HEAD_DIM, D_PAD, D_CHUNK, DOT_DTYPE, PRECISION, ALIBI)
         chosen = _choose(logits, row_last, own_block, blocks, top_left, top_right, search_steps, SINK_BLOCKS, True)
         tile_chose = tl.max(chosen.to(tl.int32), 0)
         tl.store(union_row + blocks, tl.full([NB_PAD], 1, tl.int8), mask=tile_chose > 0)
@@ -435,6 +440,81 @@ def select_blocks(
             query, summaries, indices, counts, kv_start, union, slopes,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
-            D_CHUNK=d_chunk, QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, num_warps=warps, **shape_args,
+            D_CHUNK=d_chunk, QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=False, num_warps=warps,
+            **shape_args,
+        )
+    return selection
+
+
+def select_blocks_from_logits(
+    logits: torch.Tensor,
+    *,
+    kv_heads: int,
+    q_offset: int,
+    kv_start: torch.Tensor | RowLayout,
+    block_size: int,
+    top_k: tuple[int, int],
+    query_tile: int,
+    head_union: bool,
+    sink_blocks: int = 1,
+    search_steps: int = 16,
+    key_length: int | None = None,
+    query_stride: int = 1,
+) -> BlockSelection:
+    """Triton version of :func:`hf_sparse.kernels.reference.select_blocks_from_logits`: the prefill kernel of
+    :func:`select_blocks` reading each query's block logits (``[B, Hq, Sq, num_blocks]``, any strides) instead of
+    computing them from summaries."""
+    if logits.dim() != 4 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [B, Hq, Sq, num_blocks] tensor, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
+    batch, q_heads, num_queries, num_blocks = logits.shape
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide the query heads ({q_heads})")
+    starts = row_starts(kv_start)
+    if starts.shape != (batch,) or starts.is_floating_point():
+        raise ValueError(f"kv_start must be an integer [batch={batch}] tensor, got {tuple(starts.shape)} {starts.dtype}")
+    left, right = top_k
+    if not 1 <= left <= right:
+        raise ValueError(f"top_k must satisfy 1 <= left <= right, got {top_k}")
+    if query_tile < 1 or block_size < 1 or search_steps < 0 or query_stride < 1:
+        raise ValueError("query_tile, block_size and query_stride must be >= 1, search_steps >= 0")
+    query_stride = min(query_stride, query_tile)
+    arguments = dict(kv_heads=kv_heads, q_offset=q_offset, kv_start=kv_start, block_size=block_size, top_k=top_k,
+                     query_tile=query_tile, head_union=head_union, sink_blocks=sink_blocks,
+                     search_steps=search_steps, key_length=key_length, query_stride=query_stride)
+    if max(16, next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
+        logger.warning("select_blocks_from_logits: %d blocks exceed the Triton kernel's %d; using the PyTorch "
+                       "reference", num_blocks, MAX_BLOCKS)
+        return reference.select_blocks_from_logits(logits, **arguments)
+    key_length = q_offset + num_queries if key_length is None else key_length
+    num_tiles = reference.num_query_tiles(num_queries, q_offset, kv_start, query_tile)
+    kv_start = starts.to(logits.device)
+    sel_heads = kv_heads if head_union else q_heads
+    shape = (batch, sel_heads, num_tiles, num_blocks)
+    indices = torch.empty(shape, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(shape[:3], dtype=torch.int32, device=logits.device)
+    selection = BlockSelection(indices=indices, counts=counts, block_size=block_size, query_tile=query_tile)
+    if batch * sel_heads * num_tiles == 0:
+        return selection
+    if num_blocks == 0:
+        counts.zero_()
+        return selection
+    tile_rows = -(-query_tile // query_stride)
+    rows = (q_heads // kv_heads if head_union else 1) * tile_rows
+    slopes = alibi_args(None, logits)
+    for first_tile, tiles, nb_pad in _bands(num_tiles, query_tile, q_offset, block_size, num_blocks):
+        block_q = TUNING["logits_per_program"] // nb_pad
+        block_q = max(TUNING["min_block_q"] if nb_pad <= 1024 else 16, min(TUNING["max_block_q"], block_q))
+        block_q = max(16, min(block_q, next_power_of_2(rows)))
+        warps = max(4, min(TUNING["max_warps"], block_q * nb_pad // TUNING["logits_per_warp"]))
+        union = torch.empty(batch * sel_heads * tiles * nb_pad, dtype=torch.int8, device=logits.device)
+        _select_blocks_kernel[(batch * sel_heads, tiles)](
+            logits, logits, indices, counts, kv_start, union, slopes,
+            0, 0, 0, 0, *logits.stride(), *indices.stride(), *counts.stride(),
+            num_queries, key_length, q_offset, num_blocks, 1.0, left, right, search_steps, first_tile, tiles,
+            SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads, QUERY_TILE=query_tile,
+            ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size, HEAD_DIM=16, D_PAD=16, D_CHUNK=16,
+            DOT_DTYPE=tl.float32, PRECISION="ieee", SINK_BLOCKS=sink_blocks, ALIBI=False,
+            QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=True, num_warps=warps,
         )
     return selection
