@@ -20,6 +20,7 @@ from .cache import DECODE_MAX_QUERY, cache_layer_of
 from .config import method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .gates import get_gate_weight
+from .key_scorer import get_key_directions
 from .methods import METHODS
 from .padding import row_layout
 from .plan import ALL_BLOCKS, DENSE, Call, Plan
@@ -238,6 +239,9 @@ def run_sparse(call: Call, decided: Plan, value: torch.Tensor, scaling: float | 
     decode = call.phase == "decode"
     select = functools.partial(policy.select_decode if decode else policy.select_prefill,
                                softcap=extras.get("softcap"))
+    directions = get_key_directions(call.module) if call.method == "plas" and not decode else None
+    if directions is not None:  # the layer's key scorer ranks the prefill's blocks (hf_sparse.key_scorer)
+        select = functools.partial(select, key_directions=directions)
     q_offset, device_length = key_length - num_queries, {}
     # where full rows count their causal blocks from (on the device in a static decode step)
     full_offset, num_blocks = q_offset, kernels.reference.num_row_blocks(key_length, rows, config.block_size)

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from .. import kernels
+from .. import kernels, key_scorer
 from ..config import PLASConfig
 from ..selection import BlockSelection, RowLayout
 
@@ -67,12 +67,20 @@ class PLASMethod:
     def select_prefill(
         self, query: torch.Tensor, summaries: torch.Tensor, key: torch.Tensor, *, scale: float, q_offset: int,
         kv_start: RowLayout, key_scale: torch.Tensor | None = None, softcap: float | None = None,
-        probe: bool = False, call_length: int | None = None,
+        probe: bool = False, call_length: int | None = None, key_directions: torch.Tensor | None = None,
     ) -> BlockSelection:
         """``call_length``: the key length of the prefill call these queries belong to, which sets the top-k range
         (``PLASConfig.top_k``); None = this selection's own (``q_offset`` + queries). The density probe selects
-        for runs of a call's queries and passes the call's, so that it estimates the call's selection."""
+        for runs of a call's queries and passes the call's, so that it estimates the call's selection.
+        ``key_directions`` (the layer's, :mod:`hf_sparse.key_scorer`): blocks ranked by their largest logit in
+        those directions instead of by the summaries (float keys; an int8 cache's keep the summaries)."""
         length = q_offset + query.shape[2] if call_length is None else call_length
+        if key_directions is not None and key.is_floating_point():
+            return key_scorer.select_prefill(
+                query, key, key_directions, scale=scale, q_offset=q_offset, kv_start=kv_start,
+                block_size=self.config.block_size, top_k=self.config.top_k("prefill", length),
+                query_tile=self.config.query_union, sink_blocks=self.config.sink_blocks,
+                search_steps=self.config.search_steps, query_stride=self.config.query_stride)
         return kernels.select_blocks(
             query, summaries, scale=scale, q_offset=q_offset, kv_start=kv_start,
             block_size=self.config.block_size, top_k=self.config.top_k("prefill", length),

@@ -1,0 +1,122 @@
+"""PLAS's key scorer (hf_sparse.key_scorer): the block scores against their definition, the selection against the
+study's (studies/block_scorers.py, whose runs docs/gates.md reports), chunking, fitting, attaching, and a model's
+prefill ranking blocks through it."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_sparse
+from hf_sparse import key_scorer
+from hf_sparse.kernels import reference as ref
+from hf_sparse.selection import RowLayout
+
+from conftest import build, tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
+
+
+def orthonormal(kv_heads: int, rank: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(kv_heads, dim, rank, generator=generator)).Q.mT.contiguous()
+
+
+def test_block_scores_are_each_blocks_largest_projected_logit_from_the_rows_first_key():
+    """Written out: per query and block (counted from the row's first real key), the largest scaled logit of the
+    projected query and keys over the block's keys at or before the query; -inf for blocks it cannot see."""
+    gen = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, dim, rank, length, block, num_queries = 2, 4, 2, 16, 3, 70, 16, 30
+    q_offset = length - num_queries
+    query, key = torch.randn(batch, q_heads, num_queries, dim, generator=gen), torch.randn(batch, kv_heads, length, dim,
+                                                                                         generator=gen)
+    directions = orthonormal(kv_heads, rank, dim, gen)
+    kv_start = torch.tensor([0, 21])
+    scores = key_scorer.block_scores(query, key, directions, block, 0.5, q_offset, RowLayout.read(kv_start))
+    assert scores.shape == (batch, q_heads, num_queries, ref.num_row_blocks(length, kv_start, block))
+    for b in range(batch):
+        start = int(kv_start[b])
+        for h in range(q_heads):
+            basis = directions[h // (q_heads // kv_heads)]
+            for i in range(num_queries):
+                slot = q_offset + i
+                for j in range(scores.shape[-1]):
+                    keys = [s for s in range(start + j * block, min(start + (j + 1) * block, length)) if s <= slot]
+                    if not keys:
+                        assert scores[b, h, i, j] == float("-inf")
+                        continue
+                    logits = (basis @ query[b, h, i]) @ (basis @ key[b, h // 2, keys].T) * 0.5
+                    torch.testing.assert_close(scores[b, h, i, j], logits.max(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stride", [1, 4])
+def test_selection_equals_the_studys_and_does_not_depend_on_chunks(monkeypatch, stride):
+    """Unpadded: the study's scored selection (threshold top-k, forced blocks, tile union on the PyTorch path) with
+    its fitted low-rank scorer selects the same blocks; scores computed in chunks of whole tiles select what one
+    chunk does."""
+    from block_scorers import low_rank_max, scored_select_prefill
+
+    gen = torch.Generator().manual_seed(1)
+    batch, q_heads, kv_heads, dim, length, block = 1, 4, 2, 16, 300, 16
+    query, key = torch.randn(batch, q_heads, length, dim, generator=gen), torch.randn(batch, kv_heads, length, dim,
+                                                                                     generator=gen)
+    directions = orthonormal(kv_heads, 4, dim, gen)
+    config = hf_sparse.PLASConfig(block_size=block, query_union=32, prefill_top_k=(3, 4), prefill_top_k_length=None,
+                                  query_stride=stride, dense_below=0)
+    rows = RowLayout.uniform(batch, "cpu")
+    arguments = dict(scale=0.25, q_offset=0, kv_start=rows, block_size=block, top_k=(3, 4), query_tile=32,
+                     sink_blocks=config.sink_blocks, search_steps=config.search_steps, query_stride=stride)
+    whole = key_scorer.select_prefill(query, key, directions, **arguments)
+    study = scored_select_prefill(hf_sparse.methods.plas.PLASMethod(config), low_rank_max(lambda _: directions),
+                                  stride, query, None, key, scale=0.25, q_offset=0, kv_start=rows)
+    assert torch.equal(whole.to_mask(19), study.to_mask(19))
+    assert (whole.counts < 19).any()
+    monkeypatch.setattr(key_scorer, "CHUNK_BYTES", 1)  # one tile per chunk
+    chunked = key_scorer.select_prefill(query, key, directions, **arguments)
+    assert torch.equal(chunked.indices, whole.indices) and torch.equal(chunked.counts, whole.counts)
+
+
+def test_fit_attach_and_a_prefill_that_ranks_by_keys():
+    """Directions fitted on a model's keys are orthonormal per KV head; attached, a PLAS prefill selects through
+    the key scorer (and gives other logits than mean pooling); removed, mean pooling again."""
+    config = tiny_config("llama", 4, 2, 16, layers=2)
+    model = build(config, "sdpa")
+    windows = torch.randint(3, 128, (2, 96), generator=torch.Generator().manual_seed(2))
+    directions = key_scorer.fit_key_directions(model, windows, rank=4, progress=False)
+    assert sorted(directions) == [0, 1]
+    for tensor in directions.values():
+        assert tensor.shape == (2, 4, 16)
+        torch.testing.assert_close(tensor @ tensor.mT, torch.eye(4).expand(2, 4, 4), atol=1e-4, rtol=0)
+    hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, query_union=16, prefill_top_k=(2, 3),
+                                                    prefill_top_k_length=None, dense_below=0, dense_layers=(),
+                                                    dense_above_density=None))
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        pooled = model(ids).logits
+        key_scorer.set_key_directions(model, directions)
+        calls = []
+        original = key_scorer.select_prefill
+        key_scorer.select_prefill = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+        try:
+            scored = model(ids).logits
+        finally:
+            key_scorer.select_prefill = original
+        assert len(calls) == 2  # each layer's prefill
+        assert not torch.allclose(scored, pooled, atol=1e-4)
+        key_scorer.set_key_directions(model, None)
+        torch.testing.assert_close(model(ids).logits, pooled)
+
+
+def test_attaching_refuses_what_does_not_fit():
+    model = build(tiny_config("llama", 4, 2, 16, layers=2), "sdpa")
+    good = torch.linalg.qr(torch.randn(2, 16, 4)).Q.mT
+    with pytest.raises(ValueError, match="layer 5"):
+        key_scorer.set_key_directions(model, {5: good})
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        key_scorer.set_key_directions(model, {0: good[:1]})
+    with pytest.raises(ValueError, match="NaN"):
+        key_scorer.set_key_directions(model, {0: good * float("nan")})
+    key_scorer.set_key_directions(model, {0: good})
+    attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
+    assert attached[0] is not None and attached[1] is None
