@@ -218,11 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--gates", metavar="FILE_OR_FOLDER_OR_REPO",
                           help="PLAS: evaluate with this gate file too and print it beside mean pooling")
     evaluate.set_defaults(run=_eval)
+    from .key_scorer import add_fit_key_scorer_command
     from .long_context import add_train_long_context_command
     from .training import add_train_gates_command
 
     add_train_gates_command(commands)
     add_train_long_context_command(commands)
+    add_fit_key_scorer_command(commands)
     return parser
 
 

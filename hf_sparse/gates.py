@@ -39,9 +39,12 @@ GATE_FILENAME = "plas_attention_mlp_weight.safetensors"
 #: Value of the ``format`` metadata key.
 FORMAT_NAME = "hf_sparse.plas_gates"
 #: Newest file format version this code reads and the one it writes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _TENSOR_NAME = "layers.{layer}.gate_weight"
 _TENSOR_PATTERN = re.compile(r"^layers\.(\d+)\.gate_weight$")
+#: Version 2's addition: a layer's key directions (``hf_sparse.key_scorer``), ``[kv_heads, R, head_dim]``.
+_DIRECTIONS_NAME = "layers.{layer}.key_directions"
+_DIRECTIONS_PATTERN = re.compile(r"^layers\.(\d+)\.key_directions$")
 
 
 def get_gate_weight(module: torch.nn.Module) -> torch.Tensor | None:
@@ -222,13 +225,14 @@ def mean_pooling_gates(model: Any, block_size: int | None = None) -> dict[int, t
 
 
 # -- file format ----------------------------------------------------------------------------------------------
-def _metadata(spec: GateSpec, layers: list[int]) -> dict[str, str]:
+def _metadata(spec: GateSpec, layers: list[int], directions: Mapping[int, torch.Tensor]) -> dict[str, str]:
+    """Version 1 for gates alone (what version-1 readers read), 2 with key directions; a file of directions alone
+    names no block size (they have none)."""
     from . import __version__
 
-    return {
+    metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
-        "block_size": str(spec.block_size),
+        "format_version": "2" if directions else "1",
         "num_layers": str(spec.num_layers),
         "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim),
@@ -236,16 +240,36 @@ def _metadata(spec: GateSpec, layers: list[int]) -> dict[str, str]:
         "base_model": spec.base_model,
         "hf_sparse_version": __version__,
     }
+    if layers:
+        metadata["block_size"] = str(spec.block_size)
+    if directions:
+        metadata["key_layers"] = ",".join(str(i) for i in sorted(directions))
+        metadata["key_rank"] = str(next(iter(directions.values())).shape[1])
+    return metadata
 
 
-def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, spec: GateSpec) -> Path:
-    """Write ``gates`` to ``path`` atomically (:func:`save_safetensors_atomic`)."""
+def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, spec: GateSpec,
+                    key_directions: Mapping[int, torch.Tensor] | None = None) -> Path:
+    """Write ``gates`` and ``key_directions`` (``{layer: [kv_heads, R, head_dim]}``, one R) to ``path`` atomically
+    (:func:`save_safetensors_atomic`)."""
     layers = sorted(gates)
+    directions = dict(key_directions or {})
+    if not layers and not directions:
+        raise ValueError("nothing to write: no gates and no key directions")
     for layer_idx in layers:
         if tuple(gates[layer_idx].shape) != spec.shape:
             raise ValueError(f"layer {layer_idx}: gate shape {tuple(gates[layer_idx].shape)} != {spec.shape}")
+    ranks = {tensor.shape[1] for tensor in directions.values()}
+    for layer_idx, tensor in directions.items():
+        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (spec.kv_heads, spec.head_dim):
+            raise ValueError(f"layer {layer_idx}: key directions {tuple(tensor.shape)} != [kv_heads={spec.kv_heads}, "
+                             f"R, head_dim={spec.head_dim}]")
+    if len(ranks) > 1:
+        raise ValueError(f"key directions of several ranks {sorted(ranks)}: a file holds one")
     tensors = {gate_tensor_name(i): gates[i].detach().to("cpu", torch.float32).contiguous().clone() for i in layers}
-    return save_safetensors_atomic(tensors, path, _metadata(spec, layers))
+    tensors.update({_DIRECTIONS_NAME.format(layer=i): tensor.detach().to("cpu", torch.float32).contiguous().clone()
+                    for i, tensor in directions.items()})
+    return save_safetensors_atomic(tensors, path, _metadata(spec, layers, directions))
 
 
 def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
@@ -298,6 +322,7 @@ def read_gate_file(
             metadata = handle.metadata() or {}
             names = list(handle.keys())
             _check_metadata(path, metadata, spec)
+            names = [name for name in names if not _DIRECTIONS_PATTERN.match(name)]  # read_key_directions's
             unexpected = sorted(name for name in names if name not in expected)
             if unexpected:
                 layer_ids = [int(m.group(1)) for m in map(_TENSOR_PATTERN.match, unexpected) if m]
@@ -317,7 +342,7 @@ def read_gate_file(
         raise GateFileError(f"{path}: no such gate file") from error
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
-    if not gates:
+    if not gates and not read_key_directions(path, spec):
         raise GateFileError(f"{path}: holds no gate tensors")
     for layer_idx, weight in sorted(gates.items()):
         if tuple(weight.shape) != spec.shape:
@@ -330,6 +355,42 @@ def read_gate_file(
             raise GateFileError(f"{path}: layer {layer_idx} gate holds NaN or infinite values")
         gates[layer_idx] = weight
     return dict(sorted(gates.items()))
+
+
+def read_key_directions(path: str | os.PathLike, spec: GateSpec) -> dict[int, torch.Tensor]:
+    """The key directions ``{layer: [kv_heads, R, head_dim]}`` (float32) of a version-2 gate file, ``{}`` when it
+    holds none; raises :class:`GateFileError` naming the file and the problem (a layer the model lacks, a shape
+    that is not the model's, several ranks, NaN)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            _check_metadata(path, handle.metadata() or {}, spec)
+            found = {int(match.group(1)): handle.get_tensor(match.group(0))
+                     for match in map(_DIRECTIONS_PATTERN.match, handle.keys()) if match}
+    except GateFileError:
+        raise
+    except FileNotFoundError as error:
+        raise GateFileError(f"{path}: no such gate file") from error
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
+    beyond = sorted(layer for layer in found if layer >= spec.num_layers)
+    if beyond:
+        raise GateFileError(f"{path}: holds key directions for layer(s) {beyond} but the model has "
+                            f"{spec.num_layers} layers (0..{spec.num_layers - 1})")
+    for layer_idx, tensor in sorted(found.items()):
+        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (spec.kv_heads, spec.head_dim) \
+                or tensor.shape[1] < 1:
+            raise GateFileError(f"{path}: layer {layer_idx} key directions have shape {tuple(tensor.shape)}, "
+                                f"expected [kv_heads={spec.kv_heads}, R, head_dim={spec.head_dim}]")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.float()).all()):
+            raise GateFileError(f"{path}: layer {layer_idx} key directions are not finite floats")
+        found[layer_idx] = tensor.float()
+    ranks = sorted({tensor.shape[1] for tensor in found.values()})
+    if len(ranks) > 1:
+        raise GateFileError(f"{path}: key directions of several ranks {ranks}")
+    return dict(sorted(found.items()))
 
 
 def _shape_difference(shape: tuple[int, ...], spec: GateSpec) -> str:
@@ -449,20 +510,30 @@ def load_gates(
     try:
         path = resolve_gate_file(source, filename, revision, cache_dir, token)
         gates = read_gate_file(path, spec, tensor_names)
+        directions = read_key_directions(path, spec)
         _, tp_size = tensor_parallel_rank_and_size(model)
         if spec.kv_heads % tp_size:
             raise GateFileError(f"{path}: its {spec.kv_heads} KV heads do not split over tensor parallelism's "
                                 f"{tp_size} ranks (each rank keeps a contiguous chunk of the heads)")
+        if directions and tp_size > 1:
+            raise GateFileError(f"{path}: holds key directions, which hf_sparse does not split over tensor "
+                                "parallelism's ranks")
     except GateFileError as error:
         return _fail(str(error), strict)
     missing = [i for i in spec.gated_layers if i not in gates]
-    if missing:
+    if missing and gates:
         message = f"{path}: no gate for layer(s) {missing}"
         if strict:
             raise GateFileError(message)
         logger.warning("%s; those layers use mean-pooled block summaries", message)
-    set_gates(model, gates)
-    logger.info("loaded PLAS gates for %d layer(s) from %s", len(gates), path)
+    if gates:
+        set_gates(model, gates)
+        logger.info("loaded PLAS gates for %d layer(s) from %s", len(gates), path)
+    if directions:
+        from .key_scorer import set_key_directions
+
+        set_key_directions(model, directions)
+        logger.info("loaded PLAS key directions for %d layer(s) from %s", len(directions), path)
     return gates
 
 
@@ -472,19 +543,27 @@ def save_gates(model: torch.nn.Module, folder: str | os.PathLike, filename: str 
     On a model split by tensor parallelism the file holds every KV head (:func:`gathered_gates`): every rank of the
     group must call it, and each writes the same file."""
     gates = gathered_gates(model)
-    if not gates:
-        raise ValueError("the model has no gates attached (load_gates or train_gates attach them)")
+    if not gates and not _attached_directions(model):
+        raise ValueError("the model has no gates attached and no key directions (load_gates, train_gates or "
+                         "key_scorer.set_key_directions attach them)")
     return _write_model_gates(model, gates, Path(folder) / filename)
 
 
+def _attached_directions(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    from .key_scorer import get_key_directions
+
+    found = {layer: get_key_directions(module) for layer, module in attention_modules(model).items()}
+    return {layer: tensor for layer, tensor in found.items() if tensor is not None}
+
+
 def _write_model_gates(model: torch.nn.Module, gates: Mapping[int, torch.Tensor], path: Path) -> Path:
-    """Write ``gates`` (every KV head) to ``path`` with ``model``'s metadata."""
-    spec = gate_spec(model, block_size=next(iter(gates.values())).shape[1])
+    """Write ``gates`` (every KV head) and the attached key directions to ``path`` with ``model``'s metadata."""
+    spec = gate_spec(model, block_size=next(iter(gates.values())).shape[1] if gates else None)
     plas = model_plas_config(model)
-    if spec.block_size != plas.block_size:
+    if gates and spec.block_size != plas.block_size:
         logger.warning("saving gates of block size %d while the model's PLASConfig.block_size is %d",
                        spec.block_size, plas.block_size)
-    return write_gate_file(gates, path, spec)
+    return write_gate_file(gates, path, spec, _attached_directions(model))
 
 
 def save_gates_alongside(model: torch.nn.Module, folder: str | os.PathLike, is_main_process: bool = True
@@ -492,7 +571,7 @@ def save_gates_alongside(model: torch.nn.Module, folder: str | os.PathLike, is_m
     """For ``save_pretrained``: write the gate file into ``folder`` if gates are attached and ``is_main_process``;
     else do nothing. Under tensor parallelism every rank gathers the heads (``save_pretrained`` runs on every
     rank), whatever its ``is_main_process``, and the group's first rank writes the file."""
-    if not get_gates(model):
+    if not get_gates(model) and not _attached_directions(model):
         return None
     gates = gathered_gates(model)
     if not is_main_process or tensor_parallel_rank_and_size(model)[0] != 0:

@@ -167,3 +167,64 @@ def select_prefill(query: torch.Tensor, key: torch.Tensor, directions: torch.Ten
     return BlockSelection(indices=torch.cat([part.indices for part in parts], 2),
                           counts=torch.cat([part.counts for part in parts], 2), block_size=block_size,
                           query_tile=query_tile)
+
+
+def add_fit_key_scorer_command(subparsers: Any) -> Any:
+    """Add ``fit-key-scorer`` to the ``hf-sparse`` command's subparsers."""
+    from .gates import GATE_FILENAME
+
+    parser = subparsers.add_parser(
+        "fit-key-scorer", help="fit PLAS's key directions (a block scorer that sees the keys) on text files",
+        description="Fit each layer's key directions on windows of text (one dense forward each) and write them "
+                    f"to --out/{GATE_FILENAME} (gate file version 2; hf_sparse.load_gates attaches them).")
+    parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
+    parser.add_argument("--long-context", action="store_true",
+                        help="with --model default: the long-context default model (YaRN and the shipped adapter)")
+    parser.add_argument("--data", nargs="+", default=["stdlib"],
+                        help="text files, globs (** allowed) or folders; 'stdlib' (default) = the standard library's "
+                             "package sources (hf_sparse.eval.stdlib_training_files)")
+    parser.add_argument("--rank", type=int, default=16, help="directions per KV head (default 16)")
+    parser.add_argument("--windows", type=int, default=4, help="windows of text (default 4)")
+    parser.add_argument("--length", type=int, default=32768, help="tokens per window (default 32768)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=_run_fit_key_scorer)
+    return parser
+
+
+def _run_fit_key_scorer(args: Any) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .eval import stdlib_training_files
+    from .gates import GATE_FILENAME, save_gates
+    from .training import pack_sequences, read_text_files, token_stream
+
+    if args.rank < 1 or args.windows < 1 or args.length < 2:
+        raise SystemExit("--rank, --windows must be >= 1 and --length >= 2")
+    if args.long_context and args.model != "default":
+        raise SystemExit("--long-context needs --model default")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if args.model == "default":
+        from .default_model import load_default_model
+
+        try:
+            model, tokenizer = load_default_model("sdpa", dtype, device, max_length=args.length,
+                                                  long_context=args.long_context)
+        except FileNotFoundError as error:
+            raise SystemExit(str(error)) from None
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model.eval()
+    patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]
+    ids = pack_sequences(token_stream(read_text_files(patterns), tokenizer, args.length * args.windows), args.length)
+    if ids.shape[0] < args.windows:
+        raise SystemExit(f"--data holds {ids.shape[0]} windows of {args.length} tokens, {args.windows} asked")
+    directions = fit_key_directions(model, ids[:args.windows], args.rank, progress=not args.no_progress)
+    set_key_directions(model, directions)
+    path = save_gates(model, args.out, GATE_FILENAME)
+    print(f"fitted {len(directions)} layer(s) x {args.rank} key directions on {args.windows} windows of "
+          f"{args.length} tokens; wrote {path}")
+    return 0

@@ -120,3 +120,57 @@ def test_attaching_refuses_what_does_not_fit():
     key_scorer.set_key_directions(model, {0: good})
     attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
     assert attached[0] is not None and attached[1] is None
+
+
+def test_gate_file_version_2_holds_key_directions(tmp_path, monkeypatch):
+    """save_gates writes attached key directions into a version-2 gate file (no block size when it holds no gates);
+    load_gates attaches them to another model; a reader of version 1 refuses the file; directions that do not fit
+    the model are refused, naming the file and the problem, and nothing is attached."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hf_sparse import gates
+
+    config = tiny_config("llama", 4, 2, 16, layers=2)
+    source, target = build(config, "sdpa"), build(config, "sdpa")
+    directions = {0: orthonormal(2, 4, 16, torch.Generator().manual_seed(4)),
+                  1: orthonormal(2, 4, 16, torch.Generator().manual_seed(5))}
+    key_scorer.set_key_directions(source, directions)
+    path = gates.save_gates(source, tmp_path)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        assert sorted(handle.keys()) == ["layers.0.key_directions", "layers.1.key_directions"]
+    assert metadata["format_version"] == "2" and metadata["key_rank"] == "4" and "block_size" not in metadata
+    assert gates.load_gates(target, tmp_path, strict=True) == {}  # no gates in the file
+    for layer in (0, 1):
+        assert torch.equal(key_scorer.get_key_directions(target.model.layers[layer].self_attn), directions[layer])
+    monkeypatch.setattr(gates, "FORMAT_VERSION", 1)
+    with pytest.raises(gates.GateFileError, match="reads versions 1..1"):
+        gates.load_gates(build(config, "sdpa"), tmp_path, strict=True)
+    monkeypatch.undo()
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({"layers.0.key_directions": torch.zeros(3, 4, 16)}, str(wrong),
+              metadata={"format": "hf_sparse.plas_gates", "format_version": "2"})
+    fresh = build(config, "sdpa")
+    with pytest.raises(gates.GateFileError, match=r"wrong.safetensors: layer 0 key directions have shape \(3, 4, 16\)"):
+        gates.load_gates(fresh, wrong, strict=True)
+    assert gates.load_gates(fresh, wrong) == {}  # not strict: one warning, nothing attached
+    assert key_scorer.get_key_directions(fresh.model.layers[0].self_attn) is None
+
+
+def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, capsys):
+    """``hf-sparse fit-key-scorer`` on the embedded SmolLM2 (one short window of the standard library's code): a
+    version-2 gate file of 30 layers' directions that load_gates attaches."""
+    from hf_sparse import gates
+    from hf_sparse.cli import main
+    from hf_sparse.default_model import load_default_model
+
+    assert main(["fit-key-scorer", "--rank", "4", "--windows", "1", "--length", "256", "--out", str(tmp_path),
+                 "--device", "cpu", "--no-progress"]) == 0
+    assert "fitted 30 layer(s) x 4 key directions" in capsys.readouterr().out
+    model, _ = load_default_model()
+    assert gates.load_gates(model, tmp_path, strict=True) == {}
+    attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
+    assert all(tensor is not None and tensor.shape == (3, 4, 64) for tensor in attached)
+    with pytest.raises(SystemExit, match="--rank"):
+        main(["fit-key-scorer", "--rank", "0", "--out", str(tmp_path)])
