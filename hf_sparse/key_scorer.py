@@ -112,27 +112,36 @@ def fit_key_directions(model: Any, windows: torch.Tensor, rank: int, layers: lis
     return directions
 
 
-def block_scores(query: torch.Tensor, key: torch.Tensor, directions: torch.Tensor, block_size: int, scale: float,
-                 q_offset: int, kv_start: torch.Tensor | RowLayout) -> torch.Tensor:
-    """``[B, Hq, Sq, num_blocks]`` float32: each block's largest ``scale * (P q) . (P k)`` over its keys at or before
-    the query's slot (``P``: the query's KV head's directions), blocks counted from each row's first real key
-    (``kv_start``; a padded row's blocks past its keys are ``-inf``)."""
+def _projected(query: torch.Tensor, key: torch.Tensor, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P q, P k)``: queries ``[B, Hq, Sq, R]`` and keys ``[B, Hkv, Sk, R]`` in their KV head's directions ``P``."""
     kv_heads, group = key.shape[1], query.shape[1] // key.shape[1]
     if directions.shape[0] != kv_heads or directions.shape[2] != query.shape[-1]:
         raise ValueError(f"key directions {tuple(directions.shape)} do not match [kv_heads={kv_heads}, R, "
                          f"head_dim={query.shape[-1]}]")
     basis = directions.to(device=query.device, dtype=query.dtype)
-    projected_query = torch.einsum("bhsd,hrd->bhsr", query, basis.repeat_interleave(group, 0))
-    projected_key = torch.einsum("bhsd,hrd->bhsr", key, basis)
+    return (torch.einsum("bhsd,hrd->bhsr", query, basis.repeat_interleave(group, 0)),
+            torch.einsum("bhsd,hrd->bhsr", key, basis))
+
+
+def block_scores(query: torch.Tensor, key: torch.Tensor, directions: torch.Tensor, block_size: int, scale: float,
+                 q_offset: int, kv_start: torch.Tensor | RowLayout) -> torch.Tensor:
+    """``[B, Hq, Sq, num_blocks]`` float32: each block's largest ``scale * (P q) . (P k)`` over its keys at or before
+    the query's slot (``P``: the query's KV head's directions), blocks counted from each row's first real key
+    (``kv_start``; a padded row's blocks past its keys are ``-inf``)."""
+    return _scores(*_projected(query, key, directions), block_size, scale, q_offset, kv_start)
+
+
+def _scores(projected_query: torch.Tensor, projected_key: torch.Tensor, block_size: int, scale: float,
+            q_offset: int, kv_start: torch.Tensor | RowLayout) -> torch.Tensor:
     starts = row_starts(kv_start)
-    key_length = key.shape[2]
-    num_blocks = kernels.reference.num_row_blocks(key_length, kv_start, block_size)
+    key_length = projected_key.shape[2]
     if not bool((starts != 0).any()):
         return kernels.pooled_block_logits(projected_query, projected_key, block_size, scale, q_offset, "max")
-    out = torch.full((*query.shape[:3], num_blocks), float("-inf"), device=query.device)
+    num_blocks = kernels.reference.num_row_blocks(key_length, kv_start, block_size)
+    out = torch.full((*projected_query.shape[:3], num_blocks), float("-inf"), device=projected_query.device)
     for row, start in enumerate(starts.tolist()):  # a padded row: its blocks start at its first real key
         first = max(0, start - q_offset)  # its queries before that are padding (no score)
-        if first >= query.shape[2] or start >= key_length:
+        if first >= projected_query.shape[2] or start >= key_length:
             continue
         scores = kernels.pooled_block_logits(projected_query[row:row + 1, :, first:],
                                              projected_key[row:row + 1, :, start:], block_size, scale,
@@ -145,23 +154,32 @@ def select_prefill(query: torch.Tensor, key: torch.Tensor, directions: torch.Ten
                    kv_start: RowLayout, block_size: int, top_k: tuple[int, int], query_tile: int, sink_blocks: int,
                    search_steps: int, query_stride: int) -> BlockSelection:
     """PLAS's prefill selection (per query head, tiles of ``query_tile`` queries) with blocks ranked by
-    :func:`block_scores`: chunks of whole tiles, each chunk's scores at most :data:`CHUNK_BYTES` (one chunk for a
-    left-padded batch, whose tiles start at each row's first real query)."""
+    :func:`block_scores`: chunks of whole tiles, each chunk's scores at most :data:`CHUNK_BYTES`; with
+    ``query_stride`` > 1 only the searching queries are scored (rows without padding). A left-padded batch, whose
+    tiles start at each row's first real query, is one chunk with every query scored."""
     batch, q_heads, num_queries, _ = query.shape
     key_length = key.shape[2]
     num_blocks = kernels.reference.num_row_blocks(key_length, kv_start, block_size)
     padded = bool((row_starts(kv_start) != 0).any())
-    per_query = batch * q_heads * max(num_blocks, 1) * 4
-    chunk = num_queries if padded else max(query_tile, CHUNK_BYTES // per_query // query_tile * query_tile)
+    stride = 1 if padded else min(query_stride, query_tile)
+    per_query = batch * q_heads * max(num_blocks, 1) * 4 * -(-query_tile // stride) / query_tile
+    chunk = num_queries if padded else max(query_tile, int(CHUNK_BYTES // per_query) // query_tile * query_tile)
     arguments = dict(kv_heads=key.shape[1], kv_start=kv_start, block_size=block_size, top_k=top_k,
                      query_tile=query_tile, head_union=False, sink_blocks=sink_blocks, search_steps=search_steps,
                      key_length=key_length, query_stride=query_stride)
+    projected_query, projected_key = _projected(query, key, directions)
     parts = []
     for first in range(0, num_queries, chunk):
         last = min(num_queries, first + chunk)
-        scores = block_scores(query[:, :, first:last], key, directions, block_size, scale, q_offset + first,
-                              kv_start)
-        parts.append(kernels.select_blocks_from_logits(scores, q_offset=q_offset + first, **arguments))
+        if stride > 1:
+            rows = kernels.reference.searching_queries(last - first, query_tile, stride).to(query.device) + first
+            scores = kernels.pooled_block_logits(projected_query[:, :, rows], projected_key, block_size, scale,
+                                                 rows + q_offset, "max")
+        else:
+            scores = _scores(projected_query[:, :, first:last], projected_key, block_size, scale, q_offset + first,
+                             kv_start)
+        parts.append(kernels.select_blocks_from_logits(scores, q_offset=q_offset + first, num_queries=last - first,
+                                                       **arguments))
     if len(parts) == 1:
         return parts[0]
     return BlockSelection(indices=torch.cat([part.indices for part in parts], 2),

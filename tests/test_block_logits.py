@@ -125,3 +125,18 @@ def test_long_bf16_sequence_on_the_gpu():
         for pool in ("max", "sum"):
             assert_close(op.pooled_block_logits(query, key, block, 0.125, 0, pool),
                          ref.pooled_block_logits(query, key, block, 0.125, 0, pool))
+
+
+@pytest.mark.parametrize("pool", ["max", "sum"])
+def test_each_query_at_its_own_slot(pool):
+    """``q_offset`` as a tensor of slots (the key scorer's searching queries, one in a few, with repeats and out of
+    order): each query pooled up to its own slot, as the reference does; slots that are not integers, not one per
+    query or negative are refused."""
+    query, key = inputs(2, 4, 2, 9, 200, 16, torch.bfloat16, seed=5)
+    slots = torch.tensor([199, 3, 63, 64, 127, 127, 130, 0, 150])
+    expected = ref.pooled_block_logits(query, key, 32, 0.5, slots, pool)
+    assert_close(op.pooled_block_logits(query, key, 32, 0.5, slots, pool), expected)
+    assert torch.isinf(expected[:, :, 1, 1:]).all() and torch.isfinite(expected[:, :, 0]).all()
+    for bad, message in [(slots.float(), "integer slots"), (slots[:3], r"\[Sq=9\]"), (slots - 5, ">= 0")]:
+        with pytest.raises(ValueError, match=message):
+            op.pooled_block_logits(query, key, 32, 0.5, bad, pool)

@@ -552,6 +552,17 @@ def test_select_blocks_from_logits(size, phase, batch, q_heads, kv_heads, stride
     assert torch.equal(selection.counts, expected.counts)
     assert torch.equal(selection.indices, expected.indices)
     assert (expected.counts > 0).any() and (expected.counts < num_blocks).any()
+    if stride > 1:  # only the searching queries' rows (unpadded): the same selection
+        kv_start.zero_()
+        expected = ref.select_blocks_from_logits(logits, **kwargs)
+        rows = ref.searching_queries(num_queries, tile, stride).to(DEVICE)
+        compact = logits[:, :, rows]
+        assert compact.shape[2] < num_queries
+        for op in (ref.select_blocks_from_logits, kernels.select_blocks_from_logits):
+            got = op(compact, num_queries=num_queries, **kwargs)
+            assert torch.equal(got.counts, expected.counts) and torch.equal(got.indices, expected.indices)
+        with pytest.raises(ValueError, match="searching queries"):
+            kernels.select_blocks_from_logits(compact[:, :, 1:], num_queries=num_queries, **kwargs)
 
 
 @pytest.mark.parametrize("dtype, num_queries", [("bf16", 1), ("fp32", 3)])

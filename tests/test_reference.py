@@ -355,3 +355,15 @@ def test_selection_from_logits_equals_selection_from_their_summaries(head_union,
     assert (from_logits.counts < num_blocks).any()
     with pytest.raises(ValueError, match="kv_heads"):
         ref.select_blocks_from_logits(logits, kv_heads=4, **kwargs)
+
+
+@pytest.mark.parametrize("num_queries, tile, stride", [(100, 16, 4), (100, 16, 5), (37, 64, 8), (64, 16, 16)])
+def test_searching_queries_are_the_selections(num_queries, tile, stride):
+    """``searching_queries`` lists (with the repeats at a tile's end) exactly the queries ``select_blocks`` searches
+    for with ``query_stride``: the last of each group of the stride in a tile, each tile's last, the call's last."""
+    listed = ref.searching_queries(num_queries, tile, stride)
+    assert listed.numel() == -(-num_queries // tile) * -(-tile // stride)
+    within = torch.arange(num_queries) % tile
+    searching = (within % stride == stride - 1) | (within == tile - 1) | (torch.arange(num_queries) == num_queries - 1)
+    assert set(listed.tolist()) == set(torch.nonzero(searching)[:, 0].tolist())
+    assert (listed[1:] >= listed[:-1]).all()

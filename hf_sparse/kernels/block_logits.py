@@ -28,11 +28,11 @@ POOLS = ("max", "sum")
 
 
 @triton.jit
-def _pooled_kernel(Q, K, OUT, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
+def _pooled_kernel(Q, K, OUT, SLOTS, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
                    stride_kd, stride_ob, stride_oh, stride_os, stride_on, num_queries, key_length, q_offset, scale,
                    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM: tl.constexpr,
-                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HAS_SLOTS: tl.constexpr):
     tile = tl.program_id(0)
     batch_head = tl.program_id(1)
     b = (batch_head // Q_HEADS).to(tl.int64)  # 64-bit offsets: batch x heads x queries x blocks may pass 2^31
@@ -46,8 +46,12 @@ def _pooled_kernel(Q, K, OUT, stride_qb, stride_qh, stride_qs, stride_qd, stride
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    slot_of_row = q_offset + offs_m
-    last_slot = tl.minimum(q_offset + tl.minimum(tile * BLOCK_M + BLOCK_M, num_queries) - 1, key_length - 1)
+    if HAS_SLOTS:  # each query's own slot (any order)
+        slot_of_row = tl.load(SLOTS + offs_m, mask=row_ok, other=0)
+        last_slot = tl.minimum(tl.max(tl.where(row_ok, slot_of_row, 0), 0), key_length - 1)
+    else:
+        slot_of_row = q_offset + offs_m
+        last_slot = tl.minimum(q_offset + tl.minimum(tile * BLOCK_M + BLOCK_M, num_queries) - 1, key_length - 1)
     end_block = last_slot // BLOCK_SIZE + 1
     k_base = K + b * stride_kb + (h // GROUP) * stride_kh
     out_base = OUT + b * stride_ob + h * stride_oh + offs_m * stride_os
@@ -74,9 +78,10 @@ def _pooled_kernel(Q, K, OUT, stride_qb, stride_qh, stride_qs, stride_qd, stride
         tl.store(out_base + block * stride_on, best, mask=row_ok)
 
 
-def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float, q_offset: int = 0,
-                        pool: str = "max") -> torch.Tensor:
-    """Triton version of :func:`hf_sparse.kernels.reference.pooled_block_logits` (float32 output)."""
+def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float,
+                        q_offset: int | torch.Tensor = 0, pool: str = "max") -> torch.Tensor:
+    """Triton version of :func:`hf_sparse.kernels.reference.pooled_block_logits` (float32 output); ``q_offset`` a
+    ``[Sq]`` integer tensor gives each query's slot."""
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or key.shape[1] == 0 \
             or query.shape[1] % key.shape[1]:
         raise ValueError(f"need BNSD query [B,Hq,Sq,D] and key [B,Hkv,Skv,D] with Hq a multiple of Hkv; got "
@@ -91,7 +96,16 @@ def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int,
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    if q_offset < 0:
+    slots = None
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.shape != (query.shape[2],) or q_offset.is_floating_point():
+            raise ValueError(f"q_offset as a tensor must be [Sq={query.shape[2]}] integer slots, got "
+                             f"{tuple(q_offset.shape)} {q_offset.dtype}")
+        slots = q_offset.to(device=query.device, dtype=torch.int32).contiguous()
+        if slots.numel() and int(slots.min()) < 0:
+            raise ValueError("q_offset slots must be >= 0")
+        q_offset = 0
+    elif q_offset < 0:
         raise ValueError(f"q_offset must be >= 0, got {q_offset}")
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
@@ -106,8 +120,10 @@ def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int,
     block_n = min(_BLOCK_N_FP32 if query.dtype == torch.float32 else _BLOCK_N, block_size)
     grid = (triton.cdiv(num_queries, _BLOCK_M), batch * q_heads)
     _pooled_kernel[grid](
-        query, key, out, *query.stride(), *key.stride(), *out.stride(), num_queries, key_length, q_offset,
+        query, key, out, slots if slots is not None else out, *query.stride(), *key.stride(), *out.stride(),
+        num_queries, key_length, q_offset,
         float(scale), Q_HEADS=q_heads, GROUP=q_heads // key.shape[1], HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=block_size, BLOCK_M=_BLOCK_M, BLOCK_N=block_n,
-        SUM=pool == "sum", DOT_FP32=dot_fp32, PRECISION=precision, num_warps=_WARPS, num_stages=_STAGES)
+        SUM=pool == "sum", DOT_FP32=dot_fp32, PRECISION=precision, HAS_SLOTS=slots is not None, num_warps=_WARPS,
+        num_stages=_STAGES)
     return out

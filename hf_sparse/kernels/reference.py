@@ -266,15 +266,25 @@ def select_blocks_from_logits(
     search_steps: int = 16,
     key_length: int | None = None,
     query_stride: int = 1,
+    num_queries: int | None = None,
 ) -> BlockSelection:
     """:func:`select_blocks` with each query's block scores given: ``logits`` ``[B, Hq, Sq, num_blocks]`` (float32,
     any finite value where a block is visible; what lies past a query's causal blocks is ignored), e.g. each block's
-    largest logit in a few key directions (:func:`pooled_block_logits` of projected queries and keys)."""
+    largest logit in a few key directions (:func:`pooled_block_logits` of projected queries and keys). With
+    ``num_queries`` other than ``logits.shape[2]`` (rows without padding only), ``logits`` holds only the rows of
+    the queries that search, in the order of :func:`searching_queries`."""
     if logits.dim() != 4:
         raise ValueError(f"logits must be [B, Hq, Sq, num_blocks], got {tuple(logits.shape)}")
-    batch, q_heads, num_queries, num_blocks = logits.shape
+    batch, q_heads, rows_given, num_blocks = logits.shape
+    num_queries = rows_given if num_queries is None else num_queries
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"kv_heads ({kv_heads}) must divide the query heads ({q_heads})")
+    if rows_given != num_queries:
+        stride = min(query_stride, query_tile)
+        check_compact(rows_given, num_queries, kv_start, query_tile, stride)
+        full = logits.new_full((batch, q_heads, num_queries, num_blocks), float("-inf"))
+        full[:, :, searching_queries(num_queries, query_tile, stride).to(logits.device)] = logits
+        logits = full
 
     def logits_of(q0: int, q1: int, available: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return logits[:, :, q0:q1].float().masked_fill(~available[:, None], float("-inf"))
@@ -283,6 +293,30 @@ def select_blocks_from_logits(
                    kv_start=kv_start, block_size=block_size, top_k=top_k, query_tile=query_tile,
                    head_union=head_union, sink_blocks=sink_blocks, search_steps=search_steps, key_length=key_length,
                    alibi_slopes=None, query_stride=query_stride, device=logits.device)
+
+
+def searching_queries(num_queries: int, query_tile: int, query_stride: int) -> torch.Tensor:
+    """The queries that run the threshold search with ``query_stride`` (rows without padding), ``ceil(query_tile /
+    query_stride)`` per tile in the selection kernel's order: every ``query_stride``-th of a tile (the last of each
+    group) and its last query (a tile's final group ends at it, so the tile's last entries may repeat it)."""
+    tile_rows = -(-query_tile // query_stride)
+    tiles = -(-num_queries // query_tile)
+    tile = torch.arange(tiles)[:, None]
+    last = torch.clamp((tile + 1) * query_tile, max=num_queries) - 1
+    return torch.minimum(tile * query_tile + torch.arange(tile_rows)[None, :] * query_stride + query_stride - 1,
+                         last).flatten()
+
+
+def check_compact(rows: int, num_queries: int, kv_start: torch.Tensor | RowLayout, query_tile: int,
+                  query_stride: int) -> None:
+    """Raise ``ValueError`` unless ``rows`` logit rows are the searching queries' (:func:`searching_queries`) of
+    ``num_queries`` unpadded queries."""
+    expected = -(-num_queries // query_tile) * -(-query_tile // query_stride)
+    if rows != expected:
+        raise ValueError(f"logits of {rows} rows for {num_queries} queries: expected {num_queries} (every query) or "
+                         f"{expected} (the searching queries' rows)")
+    if bool((row_starts(kv_start) != 0).any()):
+        raise ValueError("logits of the searching queries only: for rows without padding")
 
 
 def _select(logits_of, query_shape, kv_heads: int, num_blocks: int, *, q_offset: int,

@@ -154,7 +154,7 @@ def _select_blocks_kernel(
     ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ALIBI: tl.constexpr, QUERY_STRIDE: tl.constexpr,
-    TILE_ROWS: tl.constexpr, LOGITS_IN: tl.constexpr,
+    TILE_ROWS: tl.constexpr, LOGITS_IN: tl.constexpr, COMPACT: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     tile = first_tile + band_tiles - 1 - tl.program_id(1)  # the band's heaviest tiles first
@@ -190,7 +190,11 @@ def _select_blocks_kernel(
         row_last = tl.where(real, tl.minimum(own_block, last_block), -1)
 
         if LOGITS_IN:  # S holds each query's block logits [B, Hq, Sq, num_blocks] (strides b, head, query, block)
-            rows_in = S + b.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + query.to(tl.int64) * stride_sn
+            if COMPACT:  # only the searching queries' rows: TILE_ROWS per tile (reference.searching_queries)
+                row_in = tile * TILE_ROWS + rows % TILE_ROWS
+            else:
+                row_in = query
+            rows_in = S + b.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + row_in.to(tl.int64) * stride_sn
             logits = tl.load(rows_in[:, None] + blocks[None, :] * stride_sd,
                              mask=blocks[None, :] <= row_last[:, None], other=float("-inf")).to(tl.float32)
         else:
@@ -440,7 +444,8 @@ def select_blocks(
             query, summaries, indices, counts, kv_start, union, slopes,
             *query.stride(), *summaries.stride(), *indices.stride(), *counts.stride(),
             *args, left, right, search_steps, first_tile, tiles,
-            D_CHUNK=d_chunk, QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=False, num_warps=warps,
+            D_CHUNK=d_chunk, QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=False, COMPACT=False,
+            num_warps=warps,
             **shape_args,
         )
     return selection
@@ -460,14 +465,19 @@ def select_blocks_from_logits(
     search_steps: int = 16,
     key_length: int | None = None,
     query_stride: int = 1,
+    num_queries: int | None = None,
 ) -> BlockSelection:
     """Triton version of :func:`hf_sparse.kernels.reference.select_blocks_from_logits`: the prefill kernel of
-    :func:`select_blocks` reading each query's block logits (``[B, Hq, Sq, num_blocks]``, any strides) instead of
-    computing them from summaries."""
+    :func:`select_blocks` reading each query's block logits (``[B, Hq, Sq, num_blocks]``, any strides; or only the
+    searching queries' rows, as the reference takes them) instead of computing them from summaries."""
     if logits.dim() != 4 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [B, Hq, Sq, num_blocks] tensor, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
-    batch, q_heads, num_queries, num_blocks = logits.shape
+    batch, q_heads, rows_given, num_blocks = logits.shape
+    num_queries = rows_given if num_queries is None else num_queries
+    compact = rows_given != num_queries
+    if compact:
+        reference.check_compact(rows_given, num_queries, kv_start, query_tile, min(query_stride, query_tile))
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"kv_heads ({kv_heads}) must divide the query heads ({q_heads})")
     starts = row_starts(kv_start)
@@ -481,7 +491,8 @@ def select_blocks_from_logits(
     query_stride = min(query_stride, query_tile)
     arguments = dict(kv_heads=kv_heads, q_offset=q_offset, kv_start=kv_start, block_size=block_size, top_k=top_k,
                      query_tile=query_tile, head_union=head_union, sink_blocks=sink_blocks,
-                     search_steps=search_steps, key_length=key_length, query_stride=query_stride)
+                     search_steps=search_steps, key_length=key_length, query_stride=query_stride,
+                     num_queries=num_queries)
     if max(16, next_power_of_2(max(num_blocks, 1))) > MAX_BLOCKS:
         logger.warning("select_blocks_from_logits: %d blocks exceed the Triton kernel's %d; using the PyTorch "
                        "reference", num_blocks, MAX_BLOCKS)
@@ -515,6 +526,6 @@ def select_blocks_from_logits(
             SEL_HEADS=sel_heads, HEADS_PER_ROW=q_heads // sel_heads, GROUP=q_heads // kv_heads, QUERY_TILE=query_tile,
             ROWS=rows, BLOCK_Q=block_q, NB_PAD=nb_pad, BLOCK_SIZE=block_size, HEAD_DIM=16, D_PAD=16, D_CHUNK=16,
             DOT_DTYPE=tl.float32, PRECISION="ieee", SINK_BLOCKS=sink_blocks, ALIBI=False,
-            QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=True, num_warps=warps,
+            QUERY_STRIDE=query_stride, TILE_ROWS=tile_rows, LOGITS_IN=True, COMPACT=compact, num_warps=warps,
         )
     return selection
