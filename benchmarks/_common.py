@@ -434,10 +434,20 @@ METHOD_OPTIONS = {
 }
 
 
+def key_scorer_path(method: str) -> str | None:
+    """The gate file of a method name's ``keys=PATH`` option (PLAS's prefill ranks blocks by the file's key
+    directions, ``hf_sparse.key_scorer``; PATH holds no "-"), or None."""
+    name, *options = method.split("-")
+    paths = [option[len("keys="):] for option in options if option.startswith("keys=")]
+    if paths and name != "plas":
+        raise ValueError(f"{method!r}: keys=PATH is a PLAS option")
+    return paths[-1] if paths else None
+
+
 def sparse_config(method: str):
     """The hf_sparse config a method name asks for (``PLASConfig`` / ``XAttnConfig`` / ``StarConfig`` defaults plus its
     :data:`METHOD_OPTIONS` and ``field=value`` options, e.g. "plas-query_union=64"), or None for the dense ones
-    ("sdpa", "sdpa-static")."""
+    ("sdpa", "sdpa-static"). A ``keys=PATH`` option is :func:`use_method`'s (:func:`key_scorer_path`)."""
     import json
 
     import hf_sparse
@@ -446,6 +456,8 @@ def sparse_config(method: str):
     name, *options = method.split("-")
     if name not in classes:
         return None
+    key_scorer_path(method)
+    options = [option for option in options if not option.startswith("keys=")]
     fields = {}
     for option in options:
         if "=" in option:
@@ -503,12 +515,33 @@ def graph_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def use_method(model: torch.nn.Module, method: str):
-    """Switch ``model`` to ``method`` ("sdpa", "sdpa-static" or a :func:`sparse_config` name); its config."""
+    """Switch ``model`` to ``method`` ("sdpa", "sdpa-static" or a :func:`sparse_config` name), with the key
+    directions of its ``keys=PATH`` option attached (none without); its config."""
     import hf_sparse
+    from hf_sparse.key_scorer import set_key_directions
 
     config = sparse_config(method)
     if config is None:
         model.set_attn_implementation("sdpa")
     else:
         hf_sparse.configure(model, config)
+    path = key_scorer_path(method)
+    set_key_directions(model, None if path is None else _key_directions(model, path))
     return config
+
+
+def _key_directions(model: torch.nn.Module, path: str) -> dict:
+    """The key directions of the gate file (or folder) at ``path``, read once per model and path."""
+    from hf_sparse.gates import gate_spec, read_key_directions, resolve_gate_file
+
+    cache = _KEY_DIRECTIONS.setdefault(id(model), {})
+    if path not in cache:
+        directions = read_key_directions(resolve_gate_file(path), gate_spec(model))
+        if not directions:
+            raise ValueError(f"{path}: holds no key directions (hf-sparse fit-key-scorer writes them)")
+        cache[path] = directions
+    return cache[path]
+
+
+#: Key directions read by :func:`_key_directions`, per model (``id``) and path.
+_KEY_DIRECTIONS: dict[int, dict[str, dict]] = {}

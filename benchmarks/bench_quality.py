@@ -60,7 +60,8 @@ from hf_sparse.eval import filler_ids, held_out_sequences, passkey_found, passke
 from hf_sparse.methods.star import StarMethod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cell, environment, header, method_name, save_figure, sparse_config, table, write_json  # noqa: E402
+from _common import (cell, environment, header, method_name, save_figure, sparse_config, table,  # noqa: E402
+                     use_method, write_json)
 
 DEFAULT_LENGTHS = [8192, 16384, 32768, 65536, 131072]
 DEFAULT_METHODS = ["sdpa", "plas", "xattn", "star"]
@@ -226,10 +227,7 @@ def score_method(model: Any, window: Window, method: str, dense: Scored | None =
         if dense is None:
             raise ValueError("Star's scoring needs sdpa's log-probabilities (it is dense where Star's rules are)")
         return score_star(model, window, config, dense)
-    if config is None:
-        model.set_attn_implementation("sdpa")
-    else:
-        hf_sparse.configure(model, config)
+    use_method(model, method)
     device = model.device
     with hf_sparse.record_sparsity() as recorder:
         logits = model(window.input_ids.to(device), use_cache=False, logits_to_keep=window.kept.to(device)).logits
@@ -320,10 +318,7 @@ def answer(model: Any, tokenizer: Any, prompt: Any, method: str, new_tokens: int
         split = max(min(split, ids.shape[1] - config.query_tokens), 1)
         output = star_attention.generate(model, ids[:, :split], ids[:, split:], config=config, **options)
     else:
-        if config is None:
-            model.set_attn_implementation("sdpa")
-        else:
-            hf_sparse.configure(model, config)
+        use_method(model, method)
         output = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
     return tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
 

@@ -174,3 +174,29 @@ def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, caps
     assert all(tensor is not None and tensor.shape == (3, 4, 64) for tensor in attached)
     with pytest.raises(SystemExit, match="--rank"):
         main(["fit-key-scorer", "--rank", "0", "--out", str(tmp_path)])
+
+
+def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, monkeypatch):
+    """The benchmarks' method name "plas-keys=PATH" attaches the file's key directions for that method only (a PATH
+    without "-": relative to the folder here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _common import key_scorer_path, sparse_config, use_method
+
+    from hf_sparse import gates
+
+    config = tiny_config("llama", 4, 2, 16, layers=2)
+    model = build(config, "sdpa")
+    directions = {0: orthonormal(2, 4, 16, torch.Generator().manual_seed(6))}
+    key_scorer.set_key_directions(model, directions)
+    monkeypatch.chdir(tmp_path)
+    folder = "ks"
+    gates.save_gates(model, folder)
+    key_scorer.set_key_directions(model, None)
+    name = f"plas-keys={folder}-block_size=16"
+    assert key_scorer_path(name) == folder and sparse_config(name).block_size == 16
+    use_method(model, name)
+    assert torch.equal(key_scorer.get_key_directions(model.model.layers[0].self_attn), directions[0])
+    use_method(model, "plas-block_size=16")
+    assert key_scorer.get_key_directions(model.model.layers[0].self_attn) is None
+    with pytest.raises(ValueError, match="PLAS option"):
+        sparse_config(f"xattn-keys={folder}")
