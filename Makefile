@@ -30,6 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -rs -n $(JOBS) tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_plan.py -k triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_key_scorer.py -k "study or block_scores"
 
 # The GPU tests (on a machine with CUDA): Triton compiles in each worker, so several workers share the one GPU.
 GPU_JOBS ?= 8
