@@ -15,10 +15,12 @@ For each length L of --lengths and each method of --methods (sdpa, the dense ref
 * density: attended / causal key blocks of the scoring forward's sparse layers ("dense": every layer ran sdpa).
 * budget (--budget): PPL <= 1.01x sdpa's, top-1 >= 0.97, every pass key sdpa finds found: pass or what failed.
 
-Star Attention takes a context and a query apart: a prediction at position p is that of a forward over the window
-up to p whose last ``q = max(query_tokens, 1)`` tokens are the query (``q > 1``: the tri-shape, those tokens dense over
-everything before them). Its PPL scores the targets in one query (from ``q - 1`` tokens before their first prediction
-to the window's end, as ``studies/fidelity_curves.py`` scores Star's query positions); at an earlier position p the
+Star Attention takes a context and a query apart: a prediction at a position p before the targets is that of a
+forward over the window up to p whose last ``q = max(query_tokens, 1)`` tokens are the query (``q > 1``: the tri-shape,
+those tokens dense over everything before them). Its PPL scores the targets in one query (from ``q - 1`` tokens
+before their first prediction to the window's end, as ``studies/fidelity_curves.py`` scores Star's query positions):
+a later target's query also holds the targets before it, up to ``--targets`` more dense tokens than a ``generate()``
+ending there would have, so the PPL is that of a query of ``q`` plus the targets; at an earlier position p the
 context (the window up to ``p - q + 1``) is encoded once without the dense fallback and cut back for each position,
 then Star's own query phase runs the q tokens; where Star's rules would run that context dense, the prediction is
 sdpa's. Its pass keys: ``hf_sparse.star_attention.generate`` with the question, or the last ``q`` tokens if more, as
@@ -247,8 +249,10 @@ def star_context_runs_dense(config: hf_sparse.StarConfig, context_length: int) -
 @torch.no_grad()
 def score_star(model: Any, window: Window, config: hf_sparse.StarConfig, dense: Scored) -> Scored:
     """Star's log-probabilities at the kept positions (the module docstring says what each one is). A prediction at
-    position p is that of a plain forward over the window up to p: its last ``q = max(config.query_tokens, 1)``
-    tokens are the query (dense over everything before them, the tri-shape of ``q > 1``), the rest the context."""
+    a position p before the targets is that of a plain forward over the window up to p: its last ``q =
+    max(config.query_tokens, 1)`` tokens are the query (dense over everything before them, the tri-shape of
+    ``q > 1``), the rest the context; the targets are one query from ``q - 1`` tokens before their first
+    prediction."""
     device = model.device
     ids = window.input_ids.to(device)
     tail = max(config.query_tokens, 1) - 1  # query tokens before the predicting one

@@ -9,8 +9,10 @@ Star Attention (Acharya, Jia, Ginsburg, 2024, arXiv:2411.17116) splits the input
   with the anchor. Distributed, each rank encodes a contiguous shard of blocks, prefixed with the anchor it
   recomputes itself, and keeps only its shard's KV.
 * Phase 2, query and generated tokens attend to everything. In one process that is causal attention over the
-  whole cache (sdpa; on an int8 ``SparseCache`` the sparse kernels with every block selected, which read the
-  int8 K/V). Distributed, each rank computes the partial attention (output and log-sum-exp) of the
+  whole cache: sdpa for calls of up to ``DECODE_MAX_QUERY`` tokens (generation), the sparse attention kernel with
+  every block selected for a longer query after its context (:func:`_long_query_attention`; sdpa where its
+  conditions do not hold), and on an int8 ``SparseCache`` the sparse kernels with every block selected for
+  generation, which read the int8 K/V. Distributed, each rank computes the partial attention (output and log-sum-exp) of the
   queries over its own KV, the partials are all-gathered and merged by log-sum-exp, so every rank produces the
   same outputs and tokens. Only the last rank keeps the query and generated tokens' KV.
 
@@ -195,7 +197,8 @@ def _eager_star(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
 def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, cache_layer: SparseCacheLayer | None,
                       dropout: float, scaling: float | None, scale: float, **kwargs: Any) -> torch.Tensor:
-    """Causal attention of ``query`` (the last queries of the keys) over every key, ``[B, Sq, Hq, Dv]``: sdpa.
+    """Causal attention of ``query`` (the last queries of the keys) over every key, ``[B, Sq, Hq, Dv]``: sdpa (a
+    long query after its context takes :func:`_long_query_attention` instead, when :func:`_long_query` holds).
 
     On an int8 cache (``cache_layer``), calls of at most ``DECODE_MAX_QUERY`` queries (generation) run the sparse
     attention kernels with every block selected, which read the int8 K/V with their scales; longer calls run

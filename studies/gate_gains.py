@@ -153,8 +153,7 @@ def main() -> None:
         rows = [row for index, row in enumerate(rows)  # a curve measured in several runs (mean pooling): the first
                 if (row["length"], row["block"], row["gates"], row["fraction"]) not in
                 {(r["length"], r["block"], r["gates"], r["fraction"]) for r in rows[:index]}]
-        counts = sorted({len({sample["window"] for sample in run["samples"]}) if run.get("samples")
-                         else run["args"]["sequences"] for run in runs})  # a cut run: the windows it finished
+        counts = sorted({row["windows"] for row in rows})  # per point: a cut run's are the windows it finished
         args.sequences = "-".join(str(count) for count in counts)
         args.last_n = runs[0]["args"]["last_n"]
         args.long_context = runs[0]["args"].get("long_context", False)
@@ -281,7 +280,8 @@ def summarise(samples: list[dict]) -> list[dict]:
 
 def report(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
     print(header(env))
-    print(f"SmolLM2-135M-Instruct, held-out prose (hf_sparse.eval.held_out_sequences), {args.sequences} windows per "
+    model = "SmolLM2-135M-Instruct" + (" (long-context)" if args.long_context else "")
+    print(f"{model}, held-out prose (hf_sparse.eval.held_out_sequences), {args.sequences} windows per "
           f"length; KL(dense || sparse) and top-1 over the last {args.last_n} positions, mean (std) over windows\n")
     print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
                  ("gates", lambda r: r["gates"]), ("prefill_top_k", lambda r: f"{r['top_k'][0]}-{r['top_k'][1]}"),

@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse
 from hf_sparse import distributed, star_attention
+from hf_sparse.cache import DECODE_MAX_QUERY
 from hf_sparse.config import CONFIG_KEY, StarConfig, config_from_dict
 from hf_sparse.integration import padding_mask
 from hf_sparse.methods.star import StarMethod
@@ -121,6 +122,7 @@ def test_context_selection_is_anchor_plus_own_block(prefix):
 def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size, query_tokens, monkeypatch):
     """Phase 1 and phase 2 against the mask written out; 40 query tokens (more than DECODE_MAX_QUERY) run phase 2
     through the sparse attention kernel over every block, 7 through sdpa."""
+    assert 7 <= DECODE_MAX_QUERY < 40
     config = tiny_config("llama", *heads)
     star_config = StarConfig(block_size=block_size, anchor_size=anchor_size, query_tokens=query_tokens, dense_below=0,
                              dense_above_density=None)
@@ -142,9 +144,10 @@ def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size, qu
         want = reference(ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
-    assert recorder.density("context") < 0.9, "the context really ran block-sparse"
+    assert recorder.density("context") < (0.8 if query_tokens <= DECODE_MAX_QUERY else 0.9), \
+        "the context really ran block-sparse"
     assert not any(r.dense_reason for r in recorder.records if r.phase == "context")
-    assert long_queries == ([query_tokens] * config.num_hidden_layers if query_tokens > 16 else [])
+    assert long_queries == ([query_tokens] * config.num_hidden_layers if query_tokens > DECODE_MAX_QUERY else [])
     # And it is not dense attention: the logits differ from sdpa.
     dense = build(config, "sdpa")
     with torch.no_grad():
@@ -242,9 +245,16 @@ def test_short_context_is_bit_equal_to_sdpa():
     assert set(recorder.dense_layers("context").values()) == {"context 56 < dense_below 64"}
 
 
-def test_star_generate_equals_plain_generate_with_the_same_split():
+@pytest.mark.parametrize("query_tokens", [6, 40], ids=["sdpa_query", "kernel_query"])
+def test_star_generate_equals_plain_generate_with_the_same_split(query_tokens, monkeypatch):
+    """star_attention.generate's query phase (a call with a past) against a plain generate() whose last
+    query_tokens are the query; 40 of them run the query phase through the sparse kernel over every block (left
+    padding in row 0), both ways."""
     config = tiny_config("llama", 8, 2)
-    query_tokens = 6
+    long_queries = []
+    original = star_attention._long_query_attention
+    monkeypatch.setattr(star_attention, "_long_query_attention",
+                        lambda *args: long_queries.append(args[1].shape[2]) or original(*args))
     star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=query_tokens, dense_above_density=None)
     model = star_model(config, star_config)
     torch.manual_seed(2)
@@ -257,6 +267,7 @@ def test_star_generate_equals_plain_generate_with_the_same_split():
         plain = model.generate(ids, attention_mask=mask, **kwargs)
         split = star_attention.generate(model, context, query, attention_mask=mask[:, :-query_tokens], **kwargs)
     assert recorder.density("context") < 0.8
+    assert long_queries == ([query_tokens] * 2 * config.num_hidden_layers if query_tokens > DECODE_MAX_QUERY else [])
     assert torch.equal(split.sequences, plain.sequences)
     for a, b in zip(split.logits, plain.logits):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
