@@ -15,7 +15,7 @@ from .padding import holds_no_padding, padding_layout
 
 
 #: Keyword arguments dense_attention computes itself rather than pass to sdpa: softcap, sinks, sliding window.
-_NOT_FOR_SDPA = frozenset(("softcap", "s_aux", "sliding_window"))
+NOT_FOR_SDPA = frozenset(("softcap", "s_aux", "sliding_window"))
 
 
 def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -26,7 +26,7 @@ def dense_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     transformers' eager mask: sdpa cannot compute either (transformers' sdpa raises on ``softcap`` and ignores
     ``s_aux``), and those models run eager attention by default."""
     softcap = sinks = window = None
-    if kwargs and not _NOT_FOR_SDPA.isdisjoint(kwargs):
+    if kwargs and not NOT_FOR_SDPA.isdisjoint(kwargs):
         softcap, sinks, window = kwargs.pop("softcap", None), kwargs.pop("s_aux", None), kwargs.pop("sliding_window", None)
     eager = softcap is not None or sinks is not None
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]

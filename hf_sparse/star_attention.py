@@ -10,7 +10,7 @@ Star Attention (Acharya, Jia, Ginsburg, 2024, arXiv:2411.17116) splits the input
   recomputes itself, and keeps only its shard's KV.
 * Phase 2, query and generated tokens attend to everything. In one process that is causal attention over the
   whole cache: sdpa for calls of up to ``DECODE_MAX_QUERY`` tokens (generation), the sparse attention kernel with
-  every block selected for a longer query after its context (:func:`_long_query_attention`; sdpa where its
+  every block selected for a longer query after its context (:func:`_all_blocks_attention`; sdpa where its
   conditions do not hold), and on an int8 ``SparseCache`` the sparse kernels with every block selected for
   generation, which read the int8 K/V. Distributed, each rank computes the partial attention (output and log-sum-exp) of the
   queries over its own KV, the partials are all-gathered and merged by log-sum-exp, so every rank produces the
@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 from . import distributed, kernels
 from . import plan
 from .attention import DECODE_MAX_QUERY, all_blocks_decode, forward_dense_attention, method_config
-from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
+from .dense import NOT_FOR_SDPA, dense_attention, dequantized_kv, logn_base_for, logn_scaled
 from .density import block_counts
 from .padding import mask_layout, padding_layout, row_layout
 from .recording import LayerRecord, record, recording
@@ -146,7 +146,7 @@ def star_attention_forward(
     def query_attention(queries: torch.Tensor) -> torch.Tensor:
         """Phase 2: the query tokens over every key."""
         if _long_query(queries, key, attention_mask, cache_layer, dropout, kwargs):
-            return _long_query_attention(config, queries, key, value, attention_mask, scale)
+            return _all_blocks_attention(config, queries, key, value, attention_mask, scale)
         return global_attention(queries)
 
     if decided.path == plan.DENSE:
@@ -198,7 +198,7 @@ def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.
                       value: torch.Tensor, attention_mask: torch.Tensor | None, cache_layer: SparseCacheLayer | None,
                       dropout: float, scaling: float | None, scale: float, **kwargs: Any) -> torch.Tensor:
     """Causal attention of ``query`` (the last queries of the keys) over every key, ``[B, Sq, Hq, Dv]``: sdpa (a
-    long query after its context takes :func:`_long_query_attention` instead, when :func:`_long_query` holds).
+    long query after its context takes :func:`_all_blocks_attention` instead, when :func:`_long_query` holds).
 
     On an int8 cache (``cache_layer``), calls of at most ``DECODE_MAX_QUERY`` queries (generation) run the sparse
     attention kernels with every block selected, which read the int8 K/V with their scales; longer calls run
@@ -210,40 +210,36 @@ def _global_attention(module: torch.nn.Module, config: StarConfig, query: torch.
             key, value = dequantized_kv(key, value, cache_layer, query.dtype)
         return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                **kwargs)[0]
-    batch, key_length = query.shape[0], key.shape[2]
-    rows = padding_layout(attention_mask, batch, key_length, query.device, validate=False)
-    selection = StarMethod(config).full_selection(batch, key.shape[1], num_queries, key_length, query.device)
-    output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=key_length - num_queries,
-                                         kv_start=rows, key_scale=cache_layer.key_scales,
-                                         value_scale=cache_layer.value_scales)
-    return output.transpose(1, 2).contiguous()
+    return _all_blocks_attention(config, query, key, value, attention_mask, scale, key_scale=cache_layer.key_scales,
+                                 value_scale=cache_layer.value_scales)
 
 
 def _long_query(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache_layer: SparseCacheLayer | None, dropout: float, kwargs: dict) -> bool:
-    """Whether phase 2 of ``query`` runs :func:`_long_query_attention`: more than ``DECODE_MAX_QUERY`` queries
+    """Whether phase 2 of ``query`` runs :func:`_all_blocks_attention`: more than ``DECODE_MAX_QUERY`` queries
     after some keys, a float cache, no dropout, no softcapping / sinks / sliding window, and no mask or a 2D
     left-padding one. Other calls run :func:`_global_attention`."""
     num_queries, key_length = query.shape[2], key.shape[2]
     if cache_layer is not None or dropout or not DECODE_MAX_QUERY < num_queries < key_length:
         return False
-    if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window")):
+    if any(kwargs.get(name) is not None for name in NOT_FOR_SDPA):
         return False
     return attention_mask is None or (attention_mask.dim() == 2
                                       and mask_layout(attention_mask, key_length, query.device)[1])
 
 
-def _long_query_attention(config: StarConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Phase 2 of a long query (the tri-shape's ``query_tokens``, or a question after an encoded context): the
-    sparse attention kernel over every key block, ``[B, Sq, Hq, Dv]``. sdpa takes transformers' ``Sq x key_length``
-    mask for the last queries of the keys (no flash kernel): at 128K with 8,192 query tokens a prompt's TTFT is 1.00 s
-    and its peak 1.48x sdpa's prefill's that way, 0.68 s and 0.92x this way (docs/star.md)."""
+def _all_blocks_attention(config: StarConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scale: float, **scales: torch.Tensor) -> torch.Tensor:
+    """Phase 2 through the sparse attention kernel with every key block selected, ``[B, Sq, Hq, Dv]`` (``scales``:
+    an int8 cache's ``key_scale`` / ``value_scale``). It serves an int8 cache's generation steps, and a long float
+    query (the tri-shape's ``query_tokens``, or a question after an encoded context), for which sdpa takes
+    transformers' ``Sq x key_length`` mask (no flash kernel): at 128K with 8,192 query tokens a prompt's TTFT is
+    1.00 s and its peak 1.48x sdpa's prefill's that way, 0.68 s and 0.92x this way (docs/star.md)."""
     batch, num_queries, key_length = query.shape[0], query.shape[2], key.shape[2]
     rows = padding_layout(attention_mask, batch, key_length, query.device, validate=False)
     selection = StarMethod(config).full_selection(batch, key.shape[1], num_queries, key_length, query.device)
     output, _ = kernels.sparse_attention(query, key, value, selection, scale=scale, q_offset=key_length - num_queries,
-                                         kv_start=rows)
+                                         kv_start=rows, **scales)
     return output.transpose(1, 2).contiguous()
 
 

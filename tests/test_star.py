@@ -128,8 +128,8 @@ def test_star_equals_dense_with_explicit_mask(heads, block_size, anchor_size, qu
                              dense_above_density=None)
     model = star_model(config, star_config)
     long_queries = []
-    original = star_attention._long_query_attention
-    monkeypatch.setattr(star_attention, "_long_query_attention",
+    original = star_attention._all_blocks_attention
+    monkeypatch.setattr(star_attention, "_all_blocks_attention",
                         lambda *args: long_queries.append(args[1].shape[2]) or original(*args))
     name = f"star_reference_{block_size}_{anchor_size}_{query_tokens}"
     AttentionInterface.register(name, _reference_attention(star_config))
@@ -252,8 +252,8 @@ def test_star_generate_equals_plain_generate_with_the_same_split(query_tokens, m
     padding in row 0), both ways."""
     config = tiny_config("llama", 8, 2)
     long_queries = []
-    original = star_attention._long_query_attention
-    monkeypatch.setattr(star_attention, "_long_query_attention",
+    original = star_attention._all_blocks_attention
+    monkeypatch.setattr(star_attention, "_all_blocks_attention",
                         lambda *args: long_queries.append(args[1].shape[2]) or original(*args))
     star_config = StarConfig(block_size=32, anchor_size=16, query_tokens=query_tokens, dense_above_density=None)
     model = star_model(config, star_config)
