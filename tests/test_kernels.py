@@ -184,7 +184,7 @@ def test_sparse_prefill(size, shape, rows, q_offset_kind, layout):
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("shape", SHAPES[:3])
 def test_sparse_prefill_one_tile_over_every_block_is_causal_attention(size, shape):
-    """Star's phase 2 of a long query (``star_attention._long_query_attention``): the last ``Sq`` queries as one tile
+    """Star's phase 2 of a long query (``star_attention._all_blocks_attention``): the last ``Sq`` queries as one tile
     over every key block (``StarMethod.full_selection``), left-padded rows, equal exact causal attention written
     out in float64."""
     from hf_sparse.config import StarConfig
