@@ -140,3 +140,14 @@ def test_each_query_at_its_own_slot(pool):
     for bad, message in [(slots.float(), "integer slots"), (slots[:3], r"\[Sq=9\]"), (slots - 5, ">= 0")]:
         with pytest.raises(ValueError, match=message):
             op.pooled_block_logits(query, key, 32, 0.5, bad, pool)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_slots_of_a_long_bf16_sequence_on_the_gpu():
+    """The key scorer's call on the GPU: one searching query in four of an 8K prefill, each at its own slot."""
+    query, key = inputs(1, 9, 3, 2048, 8192, 16, torch.bfloat16, seed=12)
+    slots = torch.arange(3, 8192, 4, device=DEVICE)
+    for block in (64, 128):
+        assert_close(op.pooled_block_logits(query, key, block, 0.125, slots, "max"),
+                     ref.pooled_block_logits(query, key, block, 0.125, slots, "max"))

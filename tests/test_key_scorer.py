@@ -200,3 +200,28 @@ def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, mon
     assert key_scorer.get_key_directions(model.model.layers[0].self_attn) is None
     with pytest.raises(ValueError, match="PLAS option"):
         sparse_config(f"xattn-keys={folder}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stride, padding", [(1, 0), (4, 0), (4, 300)])
+def test_selection_on_the_gpu_equals_the_cpus(monkeypatch, stride, padding):
+    """The Triton path (scores by pooled_block_logits, selection by select_blocks_from_logits, several chunks)
+    selects what the PyTorch reference path does on the CPU, float32, with and without left padding: the same
+    blocks but for cuts that fall between logits closer than the two paths' rounding."""
+    gen = torch.Generator().manual_seed(7)
+    batch, q_heads, kv_heads, dim, length, block = 2, 6, 2, 32, 3000, 64
+    query = torch.randn(batch, q_heads, length, dim, generator=gen)
+    key = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    directions = orthonormal(kv_heads, 8, dim, gen)
+    starts = torch.tensor([0, padding])
+    arguments = dict(scale=dim ** -0.5, q_offset=0, block_size=block, top_k=(6, 8), query_tile=128, sink_blocks=1,
+                     search_steps=16, query_stride=stride)
+    num_blocks = ref.num_row_blocks(length, starts, block)
+    cpu = key_scorer.select_prefill(query, key, directions, kv_start=RowLayout.read(starts), **arguments)
+    cuda_args = (query.cuda(), key.cuda(), directions.cuda())
+    monkeypatch.setattr(key_scorer, "CHUNK_BYTES", 1 << 16)  # several chunks (unpadded)
+    gpu = key_scorer.select_prefill(*cuda_args, kv_start=RowLayout.read(starts.cuda()), **arguments)
+    same = (gpu.to_mask(num_blocks).cpu() == cpu.to_mask(num_blocks)).float().mean()
+    assert same > 0.999, f"{1 - float(same):.4%} of (tile, block) choices differ"
+    assert (cpu.counts < num_blocks).any()

@@ -1,5 +1,6 @@
 """The kept studies' helpers (studies/): probe_layers' decision cells and refusals, fidelity_curves' averaging,
-block_scorers' scorers and specs, decode_share_passkeys' ranges, first_call_memory's trace replay."""
+block_scorers' scorers and specs, decode_share_passkeys' ranges, first_call_memory's trace replay, launch_cost's
+refusal without a GPU."""
 import sys
 from pathlib import Path
 
@@ -170,3 +171,13 @@ def test_first_call_memory_replays_the_trace_to_its_peak():
     assert best == 180 and sorted(alive) == [1, 2, 3]
     assert study.by_site(alive.values()) == [("m.py:1:f", 100), ("cache.py:1:f", 80)]
     assert study.site(frames("other.py", "torch/b.py")) == "other.py:1:f"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_launch_cost_refuses_without_cuda(monkeypatch):
+    """studies/launch_cost.py times CUDA launches only: without a GPU it stops with a message naming what it needs."""
+    import launch_cost
+
+    monkeypatch.setattr(sys, "argv", ["launch_cost.py", "--tokens", "16"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        launch_cost.main()
