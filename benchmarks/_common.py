@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -441,6 +442,10 @@ def key_scorer_path(method: str) -> str | None:
     paths = [option[len("keys="):] for option in options if option.startswith("keys=")]
     if paths and name != "plas":
         raise ValueError(f"{method!r}: keys=PATH is a PLAS option")
+    for option, following in zip(options, options[1:]):
+        if option.startswith("keys=") and "=" not in following:
+            raise ValueError(f"{method!r}: the path of keys=PATH holds a '-' (options are split there): use a path "
+                             f"without one (a link to it)")
     return paths[-1] if paths else None
 
 
@@ -534,7 +539,7 @@ def _key_directions(model: torch.nn.Module, path: str) -> dict:
     """The key directions of the gate file (or folder) at ``path``, read once per model and path."""
     from hf_sparse.gates import gate_spec, read_key_directions, resolve_gate_file
 
-    cache = _KEY_DIRECTIONS.setdefault(id(model), {})
+    cache = _KEY_DIRECTIONS.setdefault(model, {})
     if path not in cache:
         directions = read_key_directions(resolve_gate_file(path), gate_spec(model))
         if not directions:
@@ -543,5 +548,5 @@ def _key_directions(model: torch.nn.Module, path: str) -> dict:
     return cache[path]
 
 
-#: Key directions read by :func:`_key_directions`, per model (``id``) and path.
-_KEY_DIRECTIONS: dict[int, dict[str, dict]] = {}
+#: Key directions read by :func:`_key_directions`, per model (while it lives) and path.
+_KEY_DIRECTIONS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, dict]]" = weakref.WeakKeyDictionary()

@@ -38,7 +38,7 @@ _GATE_ATTR = "_hf_sparse_gate_weight"
 GATE_FILENAME = "plas_attention_mlp_weight.safetensors"
 #: Value of the ``format`` metadata key.
 FORMAT_NAME = "hf_sparse.plas_gates"
-#: Newest file format version this code reads and the one it writes.
+#: Newest file format version this code reads; it writes version 2 for a file with key directions, 1 otherwise.
 FORMAT_VERSION = 2
 _TENSOR_NAME = "layers.{layer}.gate_weight"
 _TENSOR_PATTERN = re.compile(r"^layers\.(\d+)\.gate_weight$")
@@ -259,13 +259,11 @@ def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, 
     for layer_idx in layers:
         if tuple(gates[layer_idx].shape) != spec.shape:
             raise ValueError(f"layer {layer_idx}: gate shape {tuple(gates[layer_idx].shape)} != {spec.shape}")
-    ranks = {tensor.shape[1] for tensor in directions.values()}
-    for layer_idx, tensor in directions.items():
-        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (spec.kv_heads, spec.head_dim):
-            raise ValueError(f"layer {layer_idx}: key directions {tuple(tensor.shape)} != [kv_heads={spec.kv_heads}, "
-                             f"R, head_dim={spec.head_dim}]")
-    if len(ranks) > 1:
-        raise ValueError(f"key directions of several ranks {sorted(ranks)}: a file holds one")
+    from .key_scorer import directions_problem
+
+    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, spec.num_layers)
+    if problem:
+        raise ValueError(problem)
     tensors = {gate_tensor_name(i): gates[i].detach().to("cpu", torch.float32).contiguous().clone() for i in layers}
     tensors.update({_DIRECTIONS_NAME.format(layer=i): tensor.detach().to("cpu", torch.float32).contiguous().clone()
                     for i, tensor in directions.items()})
@@ -375,22 +373,12 @@ def read_key_directions(path: str | os.PathLike, spec: GateSpec) -> dict[int, to
         raise GateFileError(f"{path}: no such gate file") from error
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
-    beyond = sorted(layer for layer in found if layer >= spec.num_layers)
-    if beyond:
-        raise GateFileError(f"{path}: holds key directions for layer(s) {beyond} but the model has "
-                            f"{spec.num_layers} layers (0..{spec.num_layers - 1})")
-    for layer_idx, tensor in sorted(found.items()):
-        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (spec.kv_heads, spec.head_dim) \
-                or tensor.shape[1] < 1:
-            raise GateFileError(f"{path}: layer {layer_idx} key directions have shape {tuple(tensor.shape)}, "
-                                f"expected [kv_heads={spec.kv_heads}, R, head_dim={spec.head_dim}]")
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.float()).all()):
-            raise GateFileError(f"{path}: layer {layer_idx} key directions are not finite floats")
-        found[layer_idx] = tensor.float()
-    ranks = sorted({tensor.shape[1] for tensor in found.values()})
-    if len(ranks) > 1:
-        raise GateFileError(f"{path}: key directions of several ranks {ranks}")
-    return dict(sorted(found.items()))
+    from .key_scorer import directions_problem
+
+    problem = directions_problem(found, spec.kv_heads, spec.head_dim, spec.num_layers)
+    if problem:
+        raise GateFileError(f"{path}: {problem}")
+    return {layer: tensor.float() for layer, tensor in sorted(found.items())}
 
 
 def _shape_difference(shape: tuple[int, ...], spec: GateSpec) -> str:
@@ -501,7 +489,9 @@ def load_gates(
 
     Nothing is attached unless the whole file is valid. With ``strict=False`` a missing, unreadable or mismatched
     file logs one warning and returns ``{}`` (the model keeps mean pooling, or the gates it had); a file that
-    lacks some gated layers attaches the others and warns. With ``strict=True`` each of these raises
+    lacks some gated layers attaches the others and warns. A valid file's key directions (format version 2,
+    :mod:`hf_sparse.key_scorer`) replace the model's, and a valid file without them removes them. With
+    ``strict=True`` each of these raises
     :class:`GateFileError`. ``revision`` pins a Hub branch, tag or commit; ``HF_HUB_OFFLINE=1`` serves the cache.
     On a model split by tensor parallelism each rank attaches its chunk of the heads and gets the whole file's
     gates back; a head count that does not divide by ``tp_size`` is a mismatched file.
@@ -526,13 +516,13 @@ def load_gates(
         if strict:
             raise GateFileError(message)
         logger.warning("%s; those layers use mean-pooled block summaries", message)
+    from .key_scorer import set_key_directions
+
     if gates:
         set_gates(model, gates)
         logger.info("loaded PLAS gates for %d layer(s) from %s", len(gates), path)
+    set_key_directions(model, directions or None)  # a file without directions leaves none attached
     if directions:
-        from .key_scorer import set_key_directions
-
-        set_key_directions(model, directions)
         logger.info("loaded PLAS key directions for %d layer(s) from %s", len(directions), path)
     return gates
 

@@ -4,7 +4,10 @@ Mean pooling scores a block by ``q . mean(keys)``, which averages away the block
 is what a selection should keep (docs/gates.md). Each block's largest logit comes close to that mass, and in the top
 ``R`` principal directions of a layer's post-RoPE keys (per KV head, centred: the mean key adds the same to every
 block of a query) it keeps most of it. On the long-context default model, 16 directions fitted on training code
-give 0.44-0.58x mean pooling's next-token KL at a matched density at 32K and 64K (docs/gates.md).
+give 0.44-0.58x mean pooling's next-token KL at a matched density at 32K and 64K over the last 256 positions of a
+window; inside PLAS's whole prefill, under the quality budget, the scan costs more than the blocks it saves and at
+128K it needs more density than mean pooling (docs/gates.md, "The key scorer"), so no directions are attached by
+default.
 
 * :func:`fit_key_directions`: the directions ``{layer: [kv_heads, R, head_dim]}`` from a model's keys on some windows.
 * :func:`set_key_directions` / :func:`get_key_directions`: attach them to a model's attention modules (outside its
@@ -18,6 +21,7 @@ give 0.44-0.58x mean pooling's next-token KL at a matched density at 32K and 64K
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -48,33 +52,42 @@ def set_key_directions(model: torch.nn.Module, directions: Mapping[int, torch.Te
     """Attach ``{layer: [kv_heads, R, head_dim]}`` to the model's attention modules (``None``: remove them all).
     Layers not named keep none. Raises ``ValueError`` naming a layer the model lacks or a tensor of the wrong
     shape (its KV heads or head dim not the model's), before attaching anything."""
-    from .gates import attention_modules
+    from .gates import attention_modules, gate_spec
 
     modules = attention_modules(model)
     if directions is None:
         for module in modules.values():
             module.__dict__.pop(_ATTR, None)
         return
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    checked = {}
-    for layer, tensor in directions.items():
-        if layer not in modules:
-            raise ValueError(f"key directions for layer {layer}, but the model's attention layers are "
-                             f"0..{len(modules) - 1}")
-        if tensor.dim() != 3 or tensor.shape[0] != kv_heads or tensor.shape[2] != head_dim or tensor.shape[1] < 1:
-            raise ValueError(f"layer {layer}: key directions of shape {tuple(tensor.shape)}, expected "
-                             f"[kv_heads={kv_heads}, R, head_dim={head_dim}]")
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"layer {layer}: key directions hold NaN or infinite values")
-        checked[layer] = tensor.detach().float()
+    spec = gate_spec(model)
+    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, len(modules))
+    if problem:
+        raise ValueError(problem)
+    checked = {layer: tensor.detach().float() for layer, tensor in directions.items()}
     for layer, module in modules.items():
         if layer in checked:
             module.__dict__[_ATTR] = checked[layer]
         else:
             module.__dict__.pop(_ATTR, None)
+
+
+def directions_problem(directions: Mapping[int, torch.Tensor], kv_heads: int, head_dim: int,
+                       num_layers: int) -> str | None:
+    """What makes ``{layer: [kv_heads, R, head_dim]}`` key directions unusable for a model of ``num_layers``
+    layers (a layer it lacks, another shape, several ranks R, not finite floats), or ``None``: the one check of
+    attaching, writing and reading them."""
+    for layer, tensor in sorted(directions.items()):
+        if not 0 <= layer < num_layers:
+            return f"key directions for layer {layer}, but the model's layers are 0..{num_layers - 1}"
+        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (kv_heads, head_dim) or tensor.shape[1] < 1:
+            return (f"layer {layer}: key directions of shape {tuple(tensor.shape)}, expected [kv_heads={kv_heads}, "
+                    f"R >= 1, head_dim={head_dim}]")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.float()).all()):
+            return f"layer {layer}: key directions are not finite floats"
+    ranks = sorted({tensor.shape[1] for tensor in directions.values()})
+    if len(ranks) > 1:
+        return f"key directions of several ranks {ranks}: one rank per model"
+    return None
 
 
 @torch.no_grad()
@@ -85,18 +98,19 @@ def fit_key_directions(model: Any, windows: torch.Tensor, rank: int, layers: lis
     KV head. ``layers``: which (default: every attention layer)."""
     from tqdm.auto import tqdm
 
-    from .gates import attention_modules
+    from .gates import attention_modules, gate_spec
     from .training import probe_layers
 
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be [N >= 1, L] token ids, got {tuple(windows.shape)}")
+    head_dim = gate_spec(model).head_dim
+    if not 1 <= rank <= head_dim:
+        raise ValueError(f"rank must be 1..{head_dim} (the head dim), got {rank}")
     layers = sorted(attention_modules(model)) if layers is None else sorted(layers)
     moments: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def collect(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
         keys = key.float()[0]  # [Hkv, L, D] of the window
-        if rank > keys.shape[-1]:
-            raise ValueError(f"rank {rank} exceeds the head dim {keys.shape[-1]}")
         total, outer, count = moments.get(layer, (0, 0, 0))
         moments[layer] = (total + keys.sum(1), outer + keys.mT @ keys, count + keys.shape[1])
 
@@ -156,13 +170,23 @@ def select_prefill(query: torch.Tensor, key: torch.Tensor, directions: torch.Ten
     """PLAS's prefill selection (per query head, tiles of ``query_tile`` queries) with blocks ranked by
     :func:`block_scores`: chunks of whole tiles, each chunk's scores at most :data:`CHUNK_BYTES`; with
     ``query_stride`` > 1 only the searching queries are scored (rows without padding). A left-padded batch, whose
-    tiles start at each row's first real query, is one chunk with every query scored."""
+    tiles start at each row's first real query, is one chunk with every query scored: ``[B, Hq, Sq, blocks]``
+    float32 scores at once (about 4.5 GiB per row at 128K tokens, 9 query heads, block 128; a warning says so past
+    :data:`CHUNK_BYTES`). On the PyTorch path (the CPU) the scores of a chunk come from its whole logit matrix,
+    ``block_size`` times larger, so its chunks are ``block_size`` times smaller."""
     batch, q_heads, num_queries, _ = query.shape
     key_length = key.shape[2]
     num_blocks = kernels.reference.num_row_blocks(key_length, kv_start, block_size)
     padded = bool((row_starts(kv_start) != 0).any())
     stride = 1 if padded else min(query_stride, query_tile)
     per_query = batch * q_heads * max(num_blocks, 1) * 4 * -(-query_tile // stride) / query_tile
+    if kernels.backend_for(query) != "triton":  # the reference pools a [.., Sq, Sk] logit matrix
+        per_query *= block_size
+    if padded and per_query * num_queries > CHUNK_BYTES:
+        from .plan import warn_once  # (plan imports the methods, which import this module)
+
+        warn_once("key scorer padded chunk", "hf_sparse's key scorer scores a left-padded batch in one chunk: %.1f GiB "
+                  "of block scores at once; run long prompts one row at a time", per_query * num_queries / 2 ** 30)
     chunk = num_queries if padded else max(query_tile, int(CHUNK_BYTES // per_query) // query_tile * query_tile)
     arguments = dict(kv_heads=key.shape[1], kv_start=kv_start, block_size=block_size, top_k=top_k,
                      query_tile=query_tile, head_union=False, sink_blocks=sink_blocks, search_steps=search_steps,
@@ -222,6 +246,9 @@ def _run_fit_key_scorer(args: Any) -> int:
         raise SystemExit("--rank, --windows must be >= 1 and --length >= 2")
     if args.long_context and args.model != "default":
         raise SystemExit("--long-context needs --model default")
+    if (Path(args.out) / GATE_FILENAME).exists():
+        raise SystemExit(f"{Path(args.out) / GATE_FILENAME} exists: give --out a folder without a gate file (its "
+                         "gates would be lost)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if args.model == "default":

@@ -115,8 +115,10 @@ def test_attaching_refuses_what_does_not_fit():
         key_scorer.set_key_directions(model, {5: good})
     with pytest.raises(ValueError, match="kv_heads=2"):
         key_scorer.set_key_directions(model, {0: good[:1]})
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="not finite"):
         key_scorer.set_key_directions(model, {0: good * float("nan")})
+    with pytest.raises(ValueError, match="several ranks"):
+        key_scorer.set_key_directions(model, {0: good, 1: good[:, :3]})
     key_scorer.set_key_directions(model, {0: good})
     attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
     assert attached[0] is not None and attached[1] is None
@@ -152,10 +154,25 @@ def test_gate_file_version_2_holds_key_directions(tmp_path, monkeypatch):
     save_file({"layers.0.key_directions": torch.zeros(3, 4, 16)}, str(wrong),
               metadata={"format": "hf_sparse.plas_gates", "format_version": "2"})
     fresh = build(config, "sdpa")
-    with pytest.raises(gates.GateFileError, match=r"wrong.safetensors: layer 0 key directions have shape \(3, 4, 16\)"):
+    with pytest.raises(gates.GateFileError, match=r"wrong.safetensors: layer 0: key directions of shape \(3, 4, 16\)"):
         gates.load_gates(fresh, wrong, strict=True)
     assert gates.load_gates(fresh, wrong) == {}  # not strict: one warning, nothing attached
     assert key_scorer.get_key_directions(fresh.model.layers[0].self_attn) is None
+    spec = gates.gate_spec(target)
+    for bad, message in [({0: directions[0] * float("nan")}, "not finite"), ({7: directions[0]}, "layer 7")]:
+        with pytest.raises(ValueError, match=message):  # what a reader would refuse is not written
+            gates.write_gate_file({}, tmp_path / "bad.safetensors", spec, bad)
+    assert not (tmp_path / "bad.safetensors").exists()
+    # gates and directions in one file: both attached; a file of gates alone is version 1 and leaves no directions
+    gate = {0: torch.rand(spec.shape, generator=torch.Generator().manual_seed(6))}
+    both = gates.write_gate_file(gate, tmp_path / "both.safetensors", spec, directions)
+    assert sorted(gates.load_gates(fresh, both, strict=True)) == [0]
+    assert torch.equal(key_scorer.get_key_directions(fresh.model.layers[1].self_attn), directions[1])
+    only_gates = gates.write_gate_file(gate, tmp_path / "gates.safetensors", spec)
+    with safe_open(str(only_gates), framework="pt") as handle:
+        assert handle.metadata()["format_version"] == "1"
+    assert sorted(gates.load_gates(fresh, only_gates, strict=True)) == [0]
+    assert all(key_scorer.get_key_directions(layer.self_attn) is None for layer in fresh.model.layers)
 
 
 def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, capsys):
@@ -173,7 +190,12 @@ def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, caps
     attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
     assert all(tensor is not None and tensor.shape == (3, 4, 64) for tensor in attached)
     with pytest.raises(SystemExit, match="--rank"):
-        main(["fit-key-scorer", "--rank", "0", "--out", str(tmp_path)])
+        main(["fit-key-scorer", "--rank", "0", "--out", str(tmp_path / "other")])
+    with pytest.raises(SystemExit, match="exists"):  # the file there is not overwritten
+        main(["fit-key-scorer", "--rank", "4", "--windows", "1", "--length", "256", "--out", str(tmp_path),
+              "--device", "cpu", "--no-progress"])
+    with pytest.raises(ValueError, match=r"rank must be 1\.\.64"):
+        key_scorer.fit_key_directions(model, torch.zeros(1, 8, dtype=torch.long), rank=65, progress=False)
 
 
 def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, monkeypatch):
@@ -193,6 +215,8 @@ def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, mon
     gates.save_gates(model, folder)
     key_scorer.set_key_directions(model, None)
     name = f"plas-keys={folder}-block_size=16"
+    with pytest.raises(ValueError, match="holds a '-'"):
+        key_scorer_path("plas-keys=my-ks-block_size=16")
     assert key_scorer_path(name) == folder and sparse_config(name).block_size == 16
     use_method(model, name)
     assert torch.equal(key_scorer.get_key_directions(model.model.layers[0].self_attn), directions[0])

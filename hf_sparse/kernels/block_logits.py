@@ -81,7 +81,8 @@ def _pooled_kernel(Q, K, OUT, SLOTS, stride_qb, stride_qh, stride_qs, stride_qd,
 def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int, scale: float,
                         q_offset: int | torch.Tensor = 0, pool: str = "max") -> torch.Tensor:
     """Triton version of :func:`hf_sparse.kernels.reference.pooled_block_logits` (float32 output); ``q_offset`` a
-    ``[Sq]`` integer tensor gives each query's slot."""
+    ``[Sq]`` integer tensor gives each query's slot (range-checked on the CPU only: on the GPU that would read it
+    back to the host; a negative slot there sees no key)."""
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or key.shape[1] == 0 \
             or query.shape[1] % key.shape[1]:
         raise ValueError(f"need BNSD query [B,Hq,Sq,D] and key [B,Hkv,Skv,D] with Hq a multiple of Hkv; got "
@@ -101,9 +102,9 @@ def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int,
         if q_offset.shape != (query.shape[2],) or q_offset.is_floating_point():
             raise ValueError(f"q_offset as a tensor must be [Sq={query.shape[2]}] integer slots, got "
                              f"{tuple(q_offset.shape)} {q_offset.dtype}")
-        slots = q_offset.to(device=query.device, dtype=torch.int32).contiguous()
-        if slots.numel() and int(slots.min()) < 0:
+        if q_offset.device.type == "cpu" and q_offset.numel() and int(q_offset.min()) < 0:  # (on the GPU: no sync)
             raise ValueError("q_offset slots must be >= 0")
+        slots = q_offset.to(device=query.device, dtype=torch.int32).contiguous()
         q_offset = 0
     elif q_offset < 0:
         raise ValueError(f"q_offset must be >= 0, got {q_offset}")
