@@ -3,7 +3,7 @@ SmolLM2-135M-shaped model with random weights, or the trained SmolLM2-135M-Instr
 (its findings in docs/benchmarks.md and docs/kernels.md), not a tool; from the repository root (it imports
 benchmarks/_common.py):
 
-    python studies/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe]
+    python studies/profile_model.py prefill [--length 32768] [--methods sdpa plas plas-noprobe] [--host-diff 20]
     python studies/profile_model.py decode [--length 32768] [--layers 8] [--methods plas xattn] [--eager]
     python studies/profile_model.py graph [--length 32768] [--steps 32] [--variants sdpa plas-eager plas-graph]
     python studies/profile_model.py layers [--length 131072] [--methods plas xattn] [--only 0 12]
@@ -14,7 +14,8 @@ prefill: one forward (``--generate``: ``generate(max_new_tokens=1)``, TTFT) over
   forwards (rounds in which the methods take turns, all before any profiling) against the GPU busy time (its
   kernels' union, torch.profiler): what the host adds; the GPU time by kernel; the synchronising CUDA calls of
   one forward, by the Python line that made them
-  (torch.cuda.set_sync_debug_mode). "plas-noprobe": dense_above_density=None, the sparse kernels at any density.
+  (torch.cuda.set_sync_debug_mode); ``--host-diff N``: each method's host time by Python function against the first
+  method's (cProfile over N calls). "plas-noprobe": dense_above_density=None, the sparse kernels at any density.
 decode: a prefill of ``--length`` tokens into a static SparseCache, then ``--steps`` decode steps under
   torch.profiler, replayed from a CUDA graph (hf_sparse.graphs, as generate() runs them) or, with ``--eager``,
   launched from Python (the same kernels). Per method: GPU time per step by kernel, kernels per step, the GPU's
@@ -186,6 +187,44 @@ def host_profile(model, ids: torch.Tensor, forward, rows: int) -> str:
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip()) + "\nhost time by op:\n" + ops
 
 
+def own_times(model, ids: torch.Tensor, forward, calls: int) -> dict[str, tuple[float, float]]:
+    """Per Python function (``file:line(name)``, paths from the package folder on), its calls and own time in ms per
+    call of ``forward``, from cProfile over ``calls`` synchronised calls."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        forward(model, ids)
+    torch.cuda.synchronize()
+    profiler.disable()
+    times = {}
+    for (path, line, name), (_, count, own, _, _) in pstats.Stats(profiler).stats.items():
+        where = re.sub(r"^.*/(site-packages|hf_sparse|studies|benchmarks)/", r"\1/", path)
+        times[f"{where}:{line}({name})"] = (count / calls, own / calls * 1e3)
+    return times
+
+
+def host_differences(times: dict[str, dict[str, tuple[float, float]]], rows: int) -> str:
+    """Each method's own host time per call against the first method's: the total, then the ``rows`` functions that
+    add the most (calls per call before -> after)."""
+    first, *others = times
+    lines = [f"host time by Python function (cProfile, own time per call, ms; each method against {first})"]
+    for method in others:
+        base, mine = times[first], times[method]
+        total = sum(own for _, own in mine.values()) - sum(own for _, own in base.values())
+        lines.append(f"{method}: {sum(own for _, own in mine.values()):.2f} against {first}'s "
+                     f"{sum(own for _, own in base.values()):.2f} ({total:+.2f})")
+        gains = sorted(((mine.get(key, (0, 0))[1] - base.get(key, (0, 0))[1], key) for key in set(base) | set(mine)),
+                       reverse=True)
+        for gain, key in gains[:rows]:
+            lines.append(f"  {gain:+7.3f}  {base.get(key, (0, 0))[0]:6.0f} -> {mine.get(key, (0, 0))[0]:6.0f} calls  "
+                         f"{key[-90:]}")
+    return "\n".join(lines)
+
+
 @torch.no_grad()
 def prefill(args, loaded) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -230,6 +269,12 @@ def prefill(args, loaded) -> None:
                  ("host-bound gap ms", lambda r: f"{r['wall_ms'] - r['gpu_ms']:.1f}"),
                  ("per layer", lambda r: f"{(r['wall_ms'] - r['gpu_ms']) / layers:.2f}"),
                  ("syncs per forward", lambda r: str(r["syncs"]))], rows))
+    if args.host_diff:
+        times = {}
+        for method in methods:
+            use_method(model, method)
+            times[method] = own_times(model, ids, forward, args.host_diff)
+        print("\n" + host_differences(times, args.rows))
     for method, kernels, sites, hot in details:
         print(f"\n{method}: GPU time by kernel, one forward\n{kernels}")
         print(f"{method}: synchronising calls by call site")
@@ -607,6 +652,9 @@ def main() -> None:
                           "forward")
     sub.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                      help="also list the host's time of one call by Python function, ROWS rows (cProfile)")
+    sub.add_argument("--host-diff", type=int, default=0, metavar="CALLS",
+                     help="also each method's host time per Python function against the first method's, cProfile over "
+                          "CALLS calls (--rows functions that add the most)")
     sub.set_defaults(run=prefill)
 
     sub = commands.add_parser("decode", help="GPU time by kernel, launch gaps and the bandwidth floor of a decode step",

@@ -1,6 +1,6 @@
 """The kept studies' helpers (studies/): probe_layers' decision cells and refusals, fidelity_curves' averaging,
 block_scorers' scorers and specs, decode_share_passkeys' ranges, first_call_memory's trace replay, launch_cost's
-refusal without a GPU."""
+refusal without a GPU, profile_model's host differences."""
 import sys
 from pathlib import Path
 
@@ -181,3 +181,17 @@ def test_launch_cost_refuses_without_cuda(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["launch_cost.py", "--tokens", "16"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         launch_cost.main()
+
+
+def test_profile_model_host_differences_rank_what_a_method_adds():
+    """studies/profile_model.py --host-diff: each method's own host time per function against the first method's,
+    the total and the functions that add the most, with their calls per call before and after."""
+    import profile_model
+
+    times = {"sdpa": {"a.py:1(f)": (2, 1.0), "b.py:2(g)": (1, 0.5)},
+             "plas": {"a.py:1(f)": (2, 1.25), "c.py:3(h)": (30, 2.0)}}
+    text = profile_model.host_differences(times, rows=2)
+    lines = text.splitlines()
+    assert lines[1] == "plas: 3.25 against sdpa's 1.50 (+1.75)"
+    assert lines[2].split() == ["+2.000", "0", "->", "30", "calls", "c.py:3(h)"]
+    assert lines[3].split() == ["+0.250", "2", "->", "2", "calls", "a.py:1(f)"]
