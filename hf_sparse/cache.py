@@ -128,6 +128,28 @@ class SparseCacheLayer(CacheLayerMixin):
     def values(self, value: torch.Tensor | None) -> None:
         self._values = value
 
+    @property
+    def key_scales(self) -> torch.Tensor | None:
+        """An int8 layer's key scales over the valid slots ``[B, H, length]`` (a view; None for a float layer)."""
+        if self._stale_views:
+            self._views()
+        return self._key_scales
+
+    @key_scales.setter
+    def key_scales(self, value: torch.Tensor | None) -> None:
+        self._key_scales = value
+
+    @property
+    def value_scales(self) -> torch.Tensor | None:
+        """An int8 layer's value scales over the valid slots ``[B, H, length]`` (a view; None for a float layer)."""
+        if self._stale_views:
+            self._views()
+        return self._value_scales
+
+    @value_scales.setter
+    def value_scales(self, value: torch.Tensor | None) -> None:
+        self._value_scales = value
+
     def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto",
                  max_cache_len: int | None = None, **kwargs: Any) -> None:
         super().__init__()
@@ -294,7 +316,7 @@ class SparseCacheLayer(CacheLayerMixin):
                 self.length = new_length
                 if self.static:
                     self._pending_length = new_length
-                self._views()
+                self._stale_views = True  # the int8 views when first read (a short prefill is bound by the host)
                 return key_states, value_states
         elif on_device:  # written at the device's length, which it advances, with the rows' block counts (one launch)
             starts = self.row_layout.starts if self.row_layout is not None else None

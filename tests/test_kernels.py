@@ -1105,7 +1105,7 @@ def test_decode_linear_errors():
 
 
 def test_quantize_append_errors():
-    """Storage that does not match the states, or slots past its end, get a clear error."""
+    """Storage that does not match the states, that is not contiguous, or slots past its end, get a clear error."""
     states = torch.randn(1, 2, 4, 16)
     keys, values = torch.zeros(1, 2, 32, 16, dtype=torch.int8), torch.zeros(1, 2, 32, 16, dtype=torch.int8)
     scales = torch.zeros(1, 2, 32)
@@ -1115,6 +1115,11 @@ def test_quantize_append_errors():
         kernels.quantize_append(states, states, keys.float(), values, scales, scales.clone(), 0)
     with pytest.raises(ValueError, match="value_scales"):
         kernels.quantize_append(states, states, keys, values, scales, scales[:, :1], 0)
+    strided = torch.zeros(1, 2, 16, 32, dtype=torch.int8).transpose(2, 3)  # [1, 2, 32, 16], not contiguous
+    with pytest.raises(ValueError, match="key storage must be contiguous"):
+        kernels.quantize_append(states, states, strided, values, scales, scales.clone(), 0)
+    with pytest.raises(ValueError, match="value_scales must be contiguous"):
+        kernels.quantize_append(states, states, keys, values, scales, torch.zeros(1, 32, 2).transpose(1, 2), 0)
 
 
 @pytest.mark.gpu

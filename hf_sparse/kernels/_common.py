@@ -140,6 +140,10 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
     for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
         if scales.dtype != torch.float32 or tuple(scales.shape) != (batch, heads, slots):
             raise ValueError(f"{name} must be float32 {(batch, heads, slots)}, got {scales.dtype} {tuple(scales.shape)}")
+    for name, tensor in (("key storage", key_storage), ("value storage", value_storage), ("key_scales", key_scales),
+                         ("value_scales", value_scales)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (as SparseCache allocates it), got strides {tensor.stride()}")
     if not (key_states.device == value_states.device == key_storage.device == value_storage.device
             == key_scales.device == value_scales.device):
         raise ValueError("states, storage and scales must be on one device")

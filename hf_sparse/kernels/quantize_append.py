@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2, value_args
+from ._common import next_power_of_2
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude < 2**22 to an integer, ties to even.
 _ROUNDER = tl.constexpr(12582912.0)
@@ -33,10 +33,7 @@ def _quantize_append_kernel(
     KEYS, VALUES, K_OUT, V_OUT, K_SCALES, V_SCALES, START,
     stride_xb, stride_xh, stride_xs, stride_xd,
     stride_yb, stride_yh, stride_ys, stride_yd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd, stride_vblk,
-    stride_ksb, stride_ksh, stride_kss, stride_vsb, stride_vsh, stride_vss,
-    start,
+    slots, value_slots, start,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, V_BLOCK: tl.constexpr, DEVICE_START: tl.constexpr,
 ):
@@ -44,6 +41,8 @@ def _quantize_append_kernel(
     pid = tl.program_id(1)
     b = (pid // HEADS).to(tl.int64)
     h = (pid % HEADS).to(tl.int64)
+    row = pid.to(tl.int64) * slots  # the (batch, head) row's first slot in the contiguous keys and scales
+    v_row = pid.to(tl.int64) * value_slots  # and in the values (blocked: whole blocks, maybe more slots)
     if DEVICE_START:
         start = tl.load(START).to(tl.int32)
     slot = (start + token).to(tl.int64)
@@ -54,17 +53,17 @@ def _quantize_append_kernel(
 
     k = tl.load(KEYS + b * stride_xb + h * stride_xh + token * stride_xs + offs_d * stride_xd, mask=d_ok, other=0.0)
     k8, k_scale = _quantize_token(k.to(tl.float32), d_ok)
-    tl.store(K_OUT + b * stride_kb + h * stride_kh + slot * stride_ks + offs_d * stride_kd, k8, mask=d_ok)
-    tl.store(K_SCALES + b * stride_ksb + h * stride_ksh + slot * stride_kss, k_scale)
+    tl.store(K_OUT + (row + slot) * HEAD_DIM + offs_d, k8, mask=d_ok)
+    tl.store(K_SCALES + row + slot, k_scale)
 
     v = tl.load(VALUES + b * stride_yb + h * stride_yh + token * stride_ys + offs_dv * stride_yd, mask=dv_ok, other=0.0)
     v8, v_scale = _quantize_token(v.to(tl.float32), dv_ok)
     if V_BLOCK == 0:
-        v_slot = slot * stride_vs
+        v_out = V_OUT + (v_row + slot) * HEAD_DIM_V + offs_dv
     else:  # blocked values: [.., slot // V_BLOCK, d, slot % V_BLOCK]
-        v_slot = (slot // V_BLOCK) * stride_vblk + (slot % V_BLOCK) * stride_vs
-    tl.store(V_OUT + b * stride_vb + h * stride_vh + v_slot + offs_dv * stride_vd, v8, mask=dv_ok)
-    tl.store(V_SCALES + b * stride_vsb + h * stride_vsh + slot * stride_vss, v_scale)
+        v_out = V_OUT + (v_row + (slot // V_BLOCK) * V_BLOCK) * HEAD_DIM_V + offs_dv * V_BLOCK + slot % V_BLOCK
+    tl.store(v_out, v8, mask=dv_ok)
+    tl.store(V_SCALES + row + slot, v_scale)
 
 
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
@@ -77,13 +76,15 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
         return
     if batch * heads > 65535:  # the grid's second axis
         raise ValueError(f"quantize_append takes at most 65535 (batch x heads) rows, got {batch} x {heads}")
-    value_strides, value_block = value_args(value_storage)
+    value_block = value_storage.shape[4] if value_storage.dim() == 5 else 0
     device_start = isinstance(start, torch.Tensor)
+    # The storages are contiguous (check_append_inputs): offsets from their shapes, fewer arguments to launch with
+    # (a short prefill is bound by the host, and each argument costs the launch).
     _quantize_append_kernel[(tokens, batch * heads)](
         key_states, value_states, key_storage, value_storage, key_scales, value_scales,
         start if device_start else key_scales,
-        *key_states.stride(), *value_states.stride(), *key_storage.stride(), *value_strides,
-        *key_scales.stride(), *value_scales.stride(),
+        *key_states.stride(), *value_states.stride(), key_storage.shape[2],
+        value_storage.shape[2] * value_block if value_block else value_storage.shape[2],
         0 if device_start else int(start),
         HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=max(16, next_power_of_2(head_dim)),
         DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start,
