@@ -443,7 +443,7 @@ def key_scorer_path(method: str) -> str | None:
     if paths and name != "plas":
         raise ValueError(f"{method!r}: keys=PATH is a PLAS option")
     for option, following in zip(options, options[1:]):
-        if option.startswith("keys=") and "=" not in following:
+        if option.startswith("keys=") and "=" not in following and following not in METHOD_OPTIONS:
             raise ValueError(f"{method!r}: the path of keys=PATH holds a '-' (options are split there): use a path "
                              f"without one (a link to it)")
     return paths[-1] if paths else None

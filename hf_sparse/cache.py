@@ -460,7 +460,9 @@ class SparseCacheLayer(CacheLayerMixin):
         self._summary_source = None
         self._decode_summaries_due = True
         self.row_layout = None
+        self._stale_views = False  # (a first int8 write nobody read left them stale)
         self.keys = self.values = None
+        self.key_scales = self.value_scales = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (negative), or keep the first ``tokens_to_remove`` (positive)."""

@@ -261,7 +261,7 @@ def write_gate_file(gates: Mapping[int, torch.Tensor], path: str | os.PathLike, 
             raise ValueError(f"layer {layer_idx}: gate shape {tuple(gates[layer_idx].shape)} != {spec.shape}")
     from .key_scorer import directions_problem
 
-    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, spec.num_layers)
+    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, range(spec.num_layers))
     if problem:
         raise ValueError(problem)
     tensors = {gate_tensor_name(i): gates[i].detach().to("cpu", torch.float32).contiguous().clone() for i in layers}
@@ -375,7 +375,7 @@ def read_key_directions(path: str | os.PathLike, spec: GateSpec) -> dict[int, to
         raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
     from .key_scorer import directions_problem
 
-    problem = directions_problem(found, spec.kv_heads, spec.head_dim, spec.num_layers)
+    problem = directions_problem(found, spec.kv_heads, spec.head_dim, range(spec.num_layers))
     if problem:
         raise GateFileError(f"{path}: {problem}")
     return {layer: tensor.float() for layer, tensor in sorted(found.items())}
@@ -518,10 +518,13 @@ def load_gates(
         logger.warning("%s; those layers use mean-pooled block summaries", message)
     from .key_scorer import set_key_directions
 
+    try:  # first: a model whose attention layers the directions miss (a hybrid model) gets nothing attached
+        set_key_directions(model, directions or None)  # a file without directions leaves none attached
+    except ValueError as error:
+        return _fail(f"{path}: {error}", strict)
     if gates:
         set_gates(model, gates)
         logger.info("loaded PLAS gates for %d layer(s) from %s", len(gates), path)
-    set_key_directions(model, directions or None)  # a file without directions leaves none attached
     if directions:
         logger.info("loaded PLAS key directions for %d layer(s) from %s", len(directions), path)
     return gates

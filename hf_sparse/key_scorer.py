@@ -22,7 +22,7 @@ default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -60,7 +60,7 @@ def set_key_directions(model: torch.nn.Module, directions: Mapping[int, torch.Te
             module.__dict__.pop(_ATTR, None)
         return
     spec = gate_spec(model)
-    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, len(modules))
+    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, modules.keys())
     if problem:
         raise ValueError(problem)
     checked = {layer: tensor.detach().float() for layer, tensor in directions.items()}
@@ -72,13 +72,14 @@ def set_key_directions(model: torch.nn.Module, directions: Mapping[int, torch.Te
 
 
 def directions_problem(directions: Mapping[int, torch.Tensor], kv_heads: int, head_dim: int,
-                       num_layers: int) -> str | None:
-    """What makes ``{layer: [kv_heads, R, head_dim]}`` key directions unusable for a model of ``num_layers``
-    layers (a layer it lacks, another shape, several ranks R, not finite floats), or ``None``: the one check of
-    attaching, writing and reading them."""
+                       layers: range | Collection[int]) -> str | None:
+    """What makes ``{layer: [kv_heads, R, head_dim]}`` key directions unusable for a model whose attention
+    layers are ``layers`` (a layer it lacks, another shape, several ranks R, not finite floats), or ``None``: the one
+    check of attaching, writing and reading them."""
     for layer, tensor in sorted(directions.items()):
-        if not 0 <= layer < num_layers:
-            return f"key directions for layer {layer}, but the model's layers are 0..{num_layers - 1}"
+        if layer not in layers:
+            named = f"0..{layers[-1]}" if isinstance(layers, range) and layers else ", ".join(map(str, sorted(layers)))
+            return f"key directions for layer {layer}, but the model's attention layers are {named}"
         if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (kv_heads, head_dim) or tensor.shape[1] < 1:
             return (f"layer {layer}: key directions of shape {tuple(tensor.shape)}, expected [kv_heads={kv_heads}, "
                     f"R >= 1, head_dim={head_dim}]")

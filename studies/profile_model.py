@@ -207,11 +207,13 @@ def own_times(model, ids: torch.Tensor, forward, calls: int) -> dict[str, tuple[
     return times
 
 
-def host_differences(times: dict[str, dict[str, tuple[float, float]]], rows: int) -> str:
+def host_differences(times: dict[str, dict[str, tuple[float, float]]], rows: int, calls: int) -> str:
     """Each method's own host time per call against the first method's: the total, then the ``rows`` functions that
-    add the most (calls per call before -> after)."""
+    add the most and the ``rows`` that save the most (calls per call before -> after; a swapped call, e.g. a copy for
+    a concatenation, shows on both sides)."""
     first, *others = times
-    lines = [f"host time by Python function (cProfile, own time per call, ms; each method against {first})"]
+    lines = [f"host time by Python function (cProfile over {calls} calls, own time per call, ms; each method "
+             f"against {first})"]
     for method in others:
         base, mine = times[first], times[method]
         total = sum(own for _, own in mine.values()) - sum(own for _, own in base.values())
@@ -219,9 +221,12 @@ def host_differences(times: dict[str, dict[str, tuple[float, float]]], rows: int
                      f"{sum(own for _, own in base.values()):.2f} ({total:+.2f})")
         gains = sorted(((mine.get(key, (0, 0))[1] - base.get(key, (0, 0))[1], key) for key in set(base) | set(mine)),
                        reverse=True)
-        for gain, key in gains[:rows]:
-            lines.append(f"  {gain:+7.3f}  {base.get(key, (0, 0))[0]:6.0f} -> {mine.get(key, (0, 0))[0]:6.0f} calls  "
-                         f"{key[-90:]}")
+        for heading, part in (("adds", gains[:rows]), ("saves", sorted(gains[-rows:])[:rows])):
+            lines.append(f" {heading}:")
+            for gain, key in part:
+                if (gain > 0) == (heading == "adds") and gain:
+                    lines.append(f"  {gain:+7.3f}  {base.get(key, (0, 0))[0]:6.0f} -> {mine.get(key, (0, 0))[0]:6.0f} "
+                                 f"calls  {key[-90:]}")
     return "\n".join(lines)
 
 
@@ -274,7 +279,7 @@ def prefill(args, loaded) -> None:
         for method in methods:
             use_method(model, method)
             times[method] = own_times(model, ids, forward, args.host_diff)
-        print("\n" + host_differences(times, args.rows))
+        print("\n" + host_differences(times, args.rows, args.host_diff))
     for method, kernels, sites, hot in details:
         print(f"\n{method}: GPU time by kernel, one forward\n{kernels}")
         print(f"{method}: synchronising calls by call site")

@@ -153,6 +153,28 @@ def backends():
         os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on CPU models needs TRITON_INTERPRET=1"))]
 
 
+def test_int8_first_write_returns_its_states_and_the_int8_views_come_when_read():
+    """An int8 layer's first write returns the states it was given and computes its int8 views (keys, blocked
+    values, scales) when they are first read; reset() clears them, read or not."""
+    from hf_sparse.cache import SparseCacheLayer
+
+    gen = torch.Generator().manual_seed(11)
+    keys, values = torch.randn(1, 2, 40, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
+    layer = SparseCacheLayer(block_size=16, kv_dtype="int8")
+    got_keys, got_values = layer.append(keys, values)
+    assert got_keys is keys and got_values is values and layer._stale_views
+    assert layer.keys.dtype == torch.int8 and layer.keys.shape == (1, 2, 40, 16)
+    assert layer.key_scales.shape == layer.value_scales.shape == (1, 2, 40)
+    torch.testing.assert_close(ref.dequantize_per_token(layer.keys, layer.key_scales), keys, atol=0.02, rtol=0)
+    stored = ref.token_values(layer.values, 40) if layer.values.dim() == 5 else layer.values
+    torch.testing.assert_close(ref.dequantize_per_token(stored[:, :, :40], layer.value_scales), values, atol=0.02,
+                               rtol=0)
+    unread = SparseCacheLayer(block_size=16, kv_dtype="int8")
+    unread.append(keys, values)
+    unread.reset()  # after a first write nobody read
+    assert unread.keys is None and unread.key_scales is None and unread.value_scales is None
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_int8_cache_with_other_blocks_summarises_dequantized_keys(backend, monkeypatch):
     """An int8 cache whose block size is not the method's: the attention summarises its keys itself, dequantised

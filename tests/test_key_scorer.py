@@ -217,6 +217,7 @@ def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, mon
     name = f"plas-keys={folder}-block_size=16"
     with pytest.raises(ValueError, match="holds a '-'"):
         key_scorer_path("plas-keys=my-ks-block_size=16")
+    assert key_scorer_path("plas-keys=ks-int8") == "ks"  # an option flag after the path
     assert key_scorer_path(name) == folder and sparse_config(name).block_size == 16
     use_method(model, name)
     assert torch.equal(key_scorer.get_key_directions(model.model.layers[0].self_attn), directions[0])
@@ -249,3 +250,20 @@ def test_selection_on_the_gpu_equals_the_cpus(monkeypatch, stride, padding):
     same = (gpu.to_mask(num_blocks).cpu() == cpu.to_mask(num_blocks)).float().mean()
     assert same > 0.999, f"{1 - float(same):.4%} of (tile, block) choices differ"
     assert (cpu.counts < num_blocks).any()
+
+
+def test_a_padded_batch_past_the_chunk_size_warns_once(monkeypatch, caplog):
+    """A left-padded batch is scored in one chunk: past CHUNK_BYTES one warning says how much and what to do."""
+    from hf_sparse import plan
+
+    gen = torch.Generator().manual_seed(8)
+    query, key = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 2, 64, 16, generator=gen)
+    monkeypatch.setattr(key_scorer, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(plan, "_WARNED", set())
+    arguments = dict(scale=0.25, q_offset=0, kv_start=RowLayout.read(torch.tensor([0, 9])), block_size=16,
+                     top_k=(2, 3), query_tile=16, sink_blocks=1, search_steps=16, query_stride=1)
+    with caplog.at_level("WARNING"):
+        key_scorer.select_prefill(query, key, orthonormal(2, 4, 16, gen), **arguments)
+        key_scorer.select_prefill(query, key, orthonormal(2, 4, 16, gen), **arguments)
+    warned = [record for record in caplog.records if "left-padded batch in one chunk" in record.getMessage()]
+    assert len(warned) == 1 and "one row at a time" in warned[0].getMessage()

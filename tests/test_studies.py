@@ -185,13 +185,17 @@ def test_launch_cost_refuses_without_cuda(monkeypatch):
 
 def test_profile_model_host_differences_rank_what_a_method_adds():
     """studies/profile_model.py --host-diff: each method's own host time per function against the first method's,
-    the total and the functions that add the most, with their calls per call before and after."""
+    the total, the functions that add the most and those that save the most, with their calls per call."""
     import profile_model
 
     times = {"sdpa": {"a.py:1(f)": (2, 1.0), "b.py:2(g)": (1, 0.5)},
              "plas": {"a.py:1(f)": (2, 1.25), "c.py:3(h)": (30, 2.0)}}
-    text = profile_model.host_differences(times, rows=2)
+    text = profile_model.host_differences(times, rows=2, calls=20)
     lines = text.splitlines()
+    assert "cProfile over 20 calls" in lines[0]
     assert lines[1] == "plas: 3.25 against sdpa's 1.50 (+1.75)"
-    assert lines[2].split() == ["+2.000", "0", "->", "30", "calls", "c.py:3(h)"]
-    assert lines[3].split() == ["+0.250", "2", "->", "2", "calls", "a.py:1(f)"]
+    assert lines[2] == " adds:"
+    assert lines[3].split() == ["+2.000", "0", "->", "30", "calls", "c.py:3(h)"]
+    assert lines[4].split() == ["+0.250", "2", "->", "2", "calls", "a.py:1(f)"]
+    assert lines[5] == " saves:" and lines[6].split() == ["-0.500", "1", "->", "0", "calls", "b.py:2(g)"]
+    assert len(lines) == 7

@@ -42,7 +42,7 @@ def _quantize_append_kernel(
     b = (pid // HEADS).to(tl.int64)
     h = (pid % HEADS).to(tl.int64)
     row = pid.to(tl.int64) * slots  # the (batch, head) row's first slot in the contiguous keys and scales
-    v_row = pid.to(tl.int64) * value_slots  # and in the values (blocked: whole blocks, maybe more slots)
+    v_row = pid.to(tl.int64) * value_slots  # and in the values (equal through kernels.quantize_append's checks)
     if DEVICE_START:
         start = tl.load(START).to(tl.int32)
     slot = (start + token).to(tl.int64)
