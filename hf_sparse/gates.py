@@ -17,13 +17,14 @@ keeps the same chunk of every gate (:func:`shard_gates`): files and :func:`set_g
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -302,6 +303,23 @@ def _expected_names(spec: GateSpec, tensor_names: Mapping[int, str] | str | None
     return {name: int(layer) for layer, name in tensor_names.items()}
 
 
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """The gate file at ``path`` open for reading (safetensors, never unpickled); a missing or unreadable file, or
+    a problem its reader finds, is a :class:`GateFileError` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            yield handle
+    except GateFileError:
+        raise
+    except FileNotFoundError as error:
+        raise GateFileError(f"{path}: no such gate file") from error
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
+
+
 def read_gate_file(
     path: str | os.PathLike, spec: GateSpec, tensor_names: Mapping[int, str] | str | None = None
 ) -> dict[int, torch.Tensor]:
@@ -311,35 +329,26 @@ def read_gate_file(
     by other tools; by default the names are ``layers.{i}.gate_weight``. Metadata is checked when present (files
     without ours are validated from the tensor shapes alone).
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     expected = _expected_names(spec, tensor_names)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            names = list(handle.keys())
-            _check_metadata(path, metadata, spec)
-            names = [name for name in names if not _DIRECTIONS_PATTERN.match(name)]  # read_key_directions's
-            unexpected = sorted(name for name in names if name not in expected)
-            if unexpected:
-                layer_ids = [int(m.group(1)) for m in map(_TENSOR_PATTERN.match, unexpected) if m]
-                if layer_ids and tensor_names is None:
-                    raise GateFileError(
-                        f"{path}: holds gates for layer(s) {sorted(layer_ids)} but the model has "
-                        f"{spec.num_layers} layers (0..{spec.num_layers - 1})"
-                    )
+    with _opened(path) as handle:
+        metadata = handle.metadata() or {}
+        names = list(handle.keys())
+        _check_metadata(path, metadata, spec)
+        names = [name for name in names if not _DIRECTIONS_PATTERN.match(name)]  # read_key_directions's
+        unexpected = sorted(name for name in names if name not in expected)
+        if unexpected:
+            layer_ids = [int(m.group(1)) for m in map(_TENSOR_PATTERN.match, unexpected) if m]
+            if layer_ids and tensor_names is None:
                 raise GateFileError(
-                    f"{path}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
-                    f"expected names like {gate_tensor_name(0)!r} (pass tensor_names= for other layouts)"
+                    f"{path}: holds gates for layer(s) {sorted(layer_ids)} but the model has "
+                    f"{spec.num_layers} layers (0..{spec.num_layers - 1})"
                 )
-            gates = {expected[name]: handle.get_tensor(name) for name in names}
-    except GateFileError:
-        raise
-    except FileNotFoundError as error:
-        raise GateFileError(f"{path}: no such gate file") from error
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
+            raise GateFileError(
+                f"{path}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                f"expected names like {gate_tensor_name(0)!r} (pass tensor_names= for other layouts)"
+            )
+        gates = {expected[name]: handle.get_tensor(name) for name in names}
     if not gates and not read_key_directions(path, spec):
         raise GateFileError(f"{path}: holds no gate tensors")
     for layer_idx, weight in sorted(gates.items()):
@@ -359,20 +368,11 @@ def read_key_directions(path: str | os.PathLike, spec: GateSpec) -> dict[int, to
     """The key directions ``{layer: [kv_heads, R, head_dim]}`` (float32) of a version-2 gate file, ``{}`` when it
     holds none; raises :class:`GateFileError` naming the file and the problem (a layer the model lacks, a shape
     that is not the model's, several ranks, NaN)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            _check_metadata(path, handle.metadata() or {}, spec)
-            found = {int(match.group(1)): handle.get_tensor(match.group(0))
-                     for match in map(_DIRECTIONS_PATTERN.match, handle.keys()) if match}
-    except GateFileError:
-        raise
-    except FileNotFoundError as error:
-        raise GateFileError(f"{path}: no such gate file") from error
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise GateFileError(f"{path}: not a readable safetensors gate file ({error})") from error
+    with _opened(path) as handle:
+        _check_metadata(path, handle.metadata() or {}, spec)
+        found = {int(match.group(1)): handle.get_tensor(match.group(0))
+                 for match in map(_DIRECTIONS_PATTERN.match, handle.keys()) if match}
     from .key_scorer import directions_problem
 
     problem = directions_problem(found, spec.kv_heads, spec.head_dim, range(spec.num_layers))
