@@ -57,11 +57,20 @@ def get_gate_weight(module: torch.nn.Module) -> torch.Tensor | None:
     weight = module.__dict__.get(_GATE_ATTR)
     if weight is None or isinstance(weight, torch.nn.Parameter):
         return weight
+    return attached_on_device(module, _GATE_ATTR)
+
+
+def attached_on_device(module: torch.nn.Module, attribute: str) -> torch.Tensor | None:
+    """The tensor attached to ``module`` as ``attribute`` (outside its state dict), on the module's device: moved
+    once, on first use after ``model.to(device)``, and stored again; ``None`` when none is attached."""
+    tensor = module.__dict__.get(attribute)
+    if tensor is None:  # (most calls: asked on every prefill)
+        return None
     parameter = next(module.parameters(), None)
-    if parameter is not None and parameter.device != weight.device and parameter.device.type != "meta":
-        weight = weight.to(parameter.device)
-        module.__dict__[_GATE_ATTR] = weight
-    return weight
+    if parameter is not None and parameter.device != tensor.device and parameter.device.type != "meta":
+        tensor = tensor.to(parameter.device)
+        module.__dict__[attribute] = tensor
+    return tensor
 
 
 def set_gate_weight(module: torch.nn.Module, weight: torch.Tensor | None) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Collection, Mapping
 import torch
 
 from . import kernels
+from .gates import attached_on_device
 from .selection import BlockSelection, RowLayout, row_starts
 
 #: Where the directions sit on an attention module (outside its state dict).
@@ -38,14 +39,7 @@ CHUNK_BYTES = 256 * 2 ** 20
 def get_key_directions(module: torch.nn.Module) -> torch.Tensor | None:
     """The key directions ``[kv_heads, R, head_dim]`` attached to an attention module, on its device (moved once,
     on first use, after ``model.to(device)``), or ``None``."""
-    directions = module.__dict__.get(_ATTR)
-    if directions is None:
-        return None
-    parameter = next(module.parameters(), None)
-    if parameter is not None and parameter.device != directions.device and parameter.device.type != "meta":
-        directions = directions.to(parameter.device)
-        module.__dict__[_ATTR] = directions
-    return directions
+    return attached_on_device(module, _ATTR)
 
 
 def set_key_directions(model: torch.nn.Module, directions: Mapping[int, torch.Tensor] | None) -> None:
