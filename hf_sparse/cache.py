@@ -73,6 +73,24 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class _View:
+    """A layer attribute holding a view of its storage, refreshed (``layer._views()``) when read while the layer's
+    ``_stale_views`` says its length moved on since (a graph replay's write, an int8 layer's first write)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        if layer is None:
+            return self
+        if layer._stale_views:
+            layer._views()
+        return getattr(layer, self.slot)
+
+    def __set__(self, layer: Any, value: torch.Tensor | None) -> None:
+        setattr(layer, self.slot, value)
+
+
 class SparseCacheLayer(CacheLayerMixin):
     """One layer's KV in preallocated storage ``[B, H, capacity, D]`` grown by whole chunks, and float32
     block summaries ``[B, H, capacity // block_size, D]`` computed once per full block.
@@ -106,49 +124,13 @@ class SparseCacheLayer(CacheLayerMixin):
     #: replay wrote on the device); refreshed on their next read.
     _stale_views = False
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """K over the valid slots ``[B, H, length, D]`` (a view of the storage)."""
-        if self._stale_views:
-            self._views()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._keys = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """V over the valid slots (a view; int8 blocked values: the blocks holding ``length`` slots)."""
-        if self._stale_views:
-            self._views()
-        return self._values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._values = value
-
-    @property
-    def key_scales(self) -> torch.Tensor | None:
-        """An int8 layer's key scales over the valid slots ``[B, H, length]`` (a view; None for a float layer)."""
-        if self._stale_views:
-            self._views()
-        return self._key_scales
-
-    @key_scales.setter
-    def key_scales(self, value: torch.Tensor | None) -> None:
-        self._key_scales = value
-
-    @property
-    def value_scales(self) -> torch.Tensor | None:
-        """An int8 layer's value scales over the valid slots ``[B, H, length]`` (a view; None for a float layer)."""
-        if self._stale_views:
-            self._views()
-        return self._value_scales
-
-    @value_scales.setter
-    def value_scales(self, value: torch.Tensor | None) -> None:
-        self._value_scales = value
+    # Views of the storage over the valid slots, refreshed on read when stale (:class:`_View`): K ``[B, H, length,
+    # D]``; V (int8 blocked values: the blocks holding ``length`` slots); an int8 layer's key and value scales
+    # ``[B, H, length]`` (None for a float layer).
+    keys = _View()
+    values = _View()
+    key_scales = _View()
+    value_scales = _View()
 
     def __init__(self, block_size: int = 128, chunk_blocks: int = 16, kv_dtype: str = "auto",
                  max_cache_len: int | None = None, **kwargs: Any) -> None:
