@@ -53,6 +53,12 @@ Studies, each run instead of the tables above:
   searching (``PLASConfig.query_stride``) and top-k 50..60 scaled by SCALE, beside stride 1 at 50..60 (every
   query searching, FastDeploy's selection) at the ``--prefill`` lengths: density, selection and total (summaries,
   selection, attention) time against SDPA and FlexAttention with the same mask. ``4:1.1`` is PLASConfig's default.
+* ``--key-scorer [RANK]`` (default 16, the rank ``fit-key-scorer`` writes): the prefill selection of
+  :mod:`hf_sparse.key_scorer` (blocks ranked by their largest logit in ``RANK`` directions per KV head: random
+  orthonormal ones here, so the density is the inputs', not a fitted scorer's) beside PLAS's mean pooling at the
+  ``--prefill`` lengths: the scan alone (``kernels.pooled_block_logits`` of every searching query, one call), the
+  whole selection as the model runs it (projections, scans in chunks, ``kernels.select_blocks_from_logits``), the
+  attention and the total, against SDPA and FlexAttention with each row's own mask.
 
 Commands (on a GPU):
     python benchmarks/bench_attention.py --xattn 32768 131072 --xattn-sharpness 1 4 [--json FILE]
@@ -62,6 +68,7 @@ Commands (on a GPU):
     python benchmarks/bench_attention.py --features 32768 131072
     python benchmarks/bench_attention.py --select-variant before=old.py --prefill 32768 131072
     python benchmarks/bench_attention.py --query-stride 8 8:1.3 16:1.5 --prefill 32768 131072
+    python benchmarks/bench_attention.py --key-scorer 16 --shape smollm2 --prefill 8192 32768 131072
 Per-row numbers go to stderr as JSON while it runs; the tables come on stdout; ``--json FILE`` keeps them all.
 """
 from __future__ import annotations
@@ -760,6 +767,73 @@ def print_query_strides(rows: list[dict]) -> None:
                 rows))
 
 
+def random_directions(rank: int, seed: int = 0) -> torch.Tensor:
+    """``[KV_HEADS, rank, HEAD_DIM]`` float32 orthonormal directions per KV head (a key scorer's shape)."""
+    gen = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(KV_HEADS, HEAD_DIM, rank, generator=gen))
+    return basis.mT.contiguous()
+
+
+def key_scorer_rows(length: int, rank: int, flex, device: str = "cuda") -> list[dict]:
+    """PLAS's prefill selection by mean pooling and by the key scorer of ``rank`` random directions, each with its
+    attention, against SDPA and FlexAttention over the row's own mask."""
+    from hf_sparse import key_scorer
+
+    query, key, value = structured_qkv(1, length, length, shape=SHAPE, device=device)
+    kv_start = RowLayout.uniform(1, device)
+    directions = random_directions(rank)
+    scale = HEAD_DIM ** -0.5
+    top_k = _DEFAULTS.top_k("prefill", length)
+    sdpa_ms, backend = best_sdpa(query, key, value, causal=True)
+
+    def pooled():
+        return prefill_select(query, kernels.block_summaries(key, None, kv_start, BLOCK), kv_start)
+
+    def scored():
+        return key_scorer.select_prefill(query, key, directions, scale=scale, q_offset=0, kv_start=kv_start,
+                                         block_size=BLOCK, top_k=top_k, query_tile=BLOCK, sink_blocks=1,
+                                         search_steps=_DEFAULTS.search_steps, query_stride=QUERY_STRIDE)
+
+    searching = ref.searching_queries(length, BLOCK, QUERY_STRIDE).to(query.device)
+    projected_query, projected_key = key_scorer._projected(query, key, directions)
+    projected_query = projected_query[:, :, searching].contiguous()
+
+    def scan():
+        return kernels.pooled_block_logits(projected_query, projected_key, BLOCK, scale, searching, "max")
+
+    rows = []
+    for scorer, select in (("mean pooling", pooled), (f"key scorer, rank {rank}", scored)):
+        selection = select()
+        row = {"length": length, "scorer": scorer, "rank": rank if select is scored else None, "top_k": top_k,
+               "sdpa_ms": sdpa_ms, "sdpa_backend": backend,
+               "density": selection.counts.sum().item() / (causal_tile_blocks(selection.num_query_tiles) * Q_HEADS)}
+        if select is scored:
+            row["scan_ms"] = median_ms(scan)
+        row["select_ms"] = median_ms(select)  # mean pooling: summaries + selection
+        row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
+        row["total_ms"] = median_ms(lambda: attend(query, key, value, select(), kv_start))
+        if flex is not None:
+            row["flex_ms"] = flex_ms(flex, query, key, value, selection, length)
+        rows.append(row)
+        progress(f"key scorer {json.dumps(row)}")
+    return rows
+
+
+def print_key_scorer(rows: list[dict]) -> None:
+    print(f"\nPLAS prefill selection by mean pooling and by the key scorer (random orthonormal directions), one query "
+          f"in {QUERY_STRIDE} searching, PLASConfig's top-k (ms); scan = pooled_block_logits of every searching query "
+          "(one call); select = the whole selection (mean pooling: summaries + select_blocks); total = select + attend")
+    print(table([("length", lambda r: str(r["length"])), ("scorer", lambda r: r["scorer"]),
+                 ("top-k", lambda r: f"{r['top_k'][0]}..{r['top_k'][1]}"),
+                 ("density", lambda r: cell(r["density"], ".3f")), ("scan", lambda r: cell(r.get("scan_ms"), ".2f")),
+                 ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
+                 ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
+                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"])),
+                 ("Flex, same mask", lambda r: cell(r.get("flex_ms"), ".2f")),
+                 ("total / Flex", lambda r: speedup(r["total_ms"] / r["flex_ms"]) if "flex_ms" in r else "-")],
+                rows))
+
+
 def fresh(result):
     """``result`` of a row function, once the caching allocator has let go of the row's inputs."""
     torch.cuda.empty_cache()
@@ -800,6 +874,9 @@ def main() -> None:
     parser.add_argument("--select-rounds", type=int, default=3, help="rounds of --select-variant (default: 3)")
     parser.add_argument("--query-stride", type=stride_spec, nargs="+", metavar="S[:SCALE]",
                         help="study: prefill selection with one query in S searching, top-k scaled by SCALE")
+    parser.add_argument("--key-scorer", type=int, nargs="?", const=16, metavar="RANK",
+                        help="study: the key scorer's prefill selection (RANK random directions, default 16) beside "
+                             "mean pooling at the --prefill lengths")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--shape", choices=list(CROSSOVER_SHAPES), default="llama3-8b",
                         help="attention shape of the tables and sweeps (default: %(default)s)")
@@ -813,7 +890,9 @@ def main() -> None:
     results = {"environment": env, "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                              "block": BLOCK, "dtype": "bfloat16"}}
     studies = (args.crossover is not None or args.int8_layouts is not None or args.select_variant
-               or args.features is not None or args.query_stride)
+               or args.features is not None or args.query_stride or args.key_scorer is not None)
+    if args.key_scorer is not None and not 1 <= args.key_scorer <= HEAD_DIM:
+        raise SystemExit(f"--key-scorer {args.key_scorer}: the rank must be in [1, {HEAD_DIM}] (the head dim)")
     flex = None
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
@@ -836,6 +915,9 @@ def main() -> None:
     if args.query_stride:
         results["query_stride"] = [row for length in args.prefill
                                    for row in fresh(query_stride_rows(length, args.query_stride, flex))]
+    if args.key_scorer is not None:
+        results["key_scorer"] = [row for length in args.prefill
+                                 for row in fresh(key_scorer_rows(length, args.key_scorer, flex))]
     if not studies:
         results["prefill"], results["xattn"], results["decode"] = [], [], []
         for length in args.prefill:
@@ -861,6 +943,8 @@ def main() -> None:
         print_features(results["features"])
     if "query_stride" in results:
         print_query_strides(results["query_stride"])
+    if "key_scorer" in results:
+        print_key_scorer(results["key_scorer"])
     if args.json:
         write_json(args.json, results)
 

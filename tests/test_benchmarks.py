@@ -199,6 +199,29 @@ def test_bench_attention_query_stride_spec():
             stride_spec(bad)
 
 
+def test_bench_attention_key_scorer_rows(monkeypatch, capsys):
+    """``--key-scorer``: a mean-pooling row and a key-scorer row per length, each with its density, selection,
+    attention and total (the GPU timers replaced by a call count; the selections run on the CPU)."""
+    import bench_attention
+
+    calls = []
+    monkeypatch.setattr(bench_attention, "median_ms", lambda fn: calls.append(fn()) or float(len(calls)))
+    monkeypatch.setattr(bench_attention, "best_sdpa", lambda *args, **kwargs: (100.0, "cpu"))
+    monkeypatch.setattr(bench_attention, "SHAPE", bench_attention.SMOLLM2_ATTENTION)
+    monkeypatch.setattr(bench_attention, "Q_HEADS", 9)
+    monkeypatch.setattr(bench_attention, "KV_HEADS", 3)
+    monkeypatch.setattr(bench_attention, "HEAD_DIM", 64)
+    pooled, scored = bench_attention.key_scorer_rows(640, 4, None, device="cpu")
+    assert pooled["scorer"] == "mean pooling" and scored["scorer"] == "key scorer, rank 4"
+    assert "scan_ms" in scored and "scan_ms" not in pooled and len(calls) == 7
+    assert 0 < pooled["density"] <= 1 and 0 < scored["density"] <= 1
+    directions = bench_attention.random_directions(4)
+    assert directions.shape == (3, 4, 64)
+    assert torch.allclose(directions @ directions.mT, torch.eye(4).expand(3, 4, 4), atol=1e-5)
+    bench_attention.print_key_scorer([pooled, scored])
+    assert "key scorer, rank 4" in capsys.readouterr().out
+
+
 def test_long_context_curve_summarises_a_training_log(tmp_path):
     """bench_training.py --loss-curve LOG.jsonl: the long-context run's summary (steps, tokens, 20-step means)."""
     pytest.importorskip("matplotlib")
