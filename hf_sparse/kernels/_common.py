@@ -116,11 +116,48 @@ def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor,
             raise ValueError(f"block counts need a block_size >= 1, got {block_size}")
 
 
+def _append_inputs_fit(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
+                       value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
+                       start: int | torch.Tensor) -> bool:
+    """Whether :func:`check_append_inputs` passes these inputs, in half its host time (an int8 layer's write of
+    every prefill calls it, and a short prefill is bound by the host); False only where it raises."""
+    shape, storage_shape, value_shape = key_states.shape, key_storage.shape, value_states.shape
+    if len(shape) != 4 or len(storage_shape) != 4 or len(value_shape) != 4:
+        return False
+    batch, heads, tokens, head_dim = shape
+    slots = storage_shape[2]
+    if value_shape[0] != batch or value_shape[1] != heads or value_shape[2] != tokens:
+        return False
+    held = value_storage.shape
+    if len(held) == 5:  # blocked values
+        held = (held[0], held[1], held[2] * held[4], held[3])
+    scales = (batch, heads, slots)
+    if (storage_shape != (batch, heads, slots, head_dim) or held != (batch, heads, slots, value_shape[3])
+            or key_scales.shape != scales or value_scales.shape != scales):
+        return False
+    if (key_states.dtype not in SUPPORTED_DTYPES or value_states.dtype not in SUPPORTED_DTYPES
+            or key_storage.dtype != torch.int8 or value_storage.dtype != torch.int8
+            or key_scales.dtype != torch.float32 or value_scales.dtype != torch.float32):
+        return False
+    if not (key_storage.is_contiguous() and value_storage.is_contiguous() and key_scales.is_contiguous()
+            and value_scales.is_contiguous()):
+        return False
+    device = key_states.device
+    if not (value_states.device == device and key_storage.device == device and value_storage.device == device
+            and key_scales.device == device and value_scales.device == device):
+        return False
+    if isinstance(start, torch.Tensor):
+        return start.numel() == 1 and not start.is_floating_point() and start.device == device
+    return 0 <= int(start) <= slots - tokens
+
+
 def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                         value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
                         start: int | torch.Tensor) -> None:
     """Raise a clear error for a ``quantize_append`` call the ops do not take (a device-side ``start`` is not
     range-checked: that would read it back to the host)."""
+    if _append_inputs_fit(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):
+        return  # (the checks below, which name the problem, only for inputs that fail)
     if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
         raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(key_states.shape)} "
                          f"and {tuple(value_states.shape)}")
