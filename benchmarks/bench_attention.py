@@ -781,7 +781,7 @@ def key_scorer_rows(length: int, rank: int, flex, device: str = "cuda") -> list[
 
     query, key, value = structured_qkv(1, length, length, shape=SHAPE, device=device)
     kv_start = RowLayout.uniform(1, device)
-    directions = random_directions(rank)
+    directions = random_directions(rank).to(device)  # (a model keeps its directions on its device)
     scale = HEAD_DIM ** -0.5
     top_k = _DEFAULTS.top_k("prefill", length)
     sdpa_ms, backend = best_sdpa(query, key, value, causal=True)
@@ -884,6 +884,9 @@ def main() -> None:
     global SHAPE, Q_HEADS, KV_HEADS, HEAD_DIM
     SHAPE = CROSSOVER_SHAPES[args.shape]
     Q_HEADS, KV_HEADS, HEAD_DIM = SHAPE
+    if args.key_scorer is not None and not 1 <= args.key_scorer <= HEAD_DIM:
+        parser.error(f"--key-scorer {args.key_scorer}: the rank must be in [1, {HEAD_DIM}] (the head dim of "
+                     f"--shape {args.shape})")
     grids = tune_grids(args.tune_grid) if args.tune else None
     require_cuda("bench_attention.py")
     env = environment()
@@ -891,8 +894,6 @@ def main() -> None:
                                              "block": BLOCK, "dtype": "bfloat16"}}
     studies = (args.crossover is not None or args.int8_layouts is not None or args.select_variant
                or args.features is not None or args.query_stride or args.key_scorer is not None)
-    if args.key_scorer is not None and not 1 <= args.key_scorer <= HEAD_DIM:
-        raise SystemExit(f"--key-scorer {args.key_scorer}: the rank must be in [1, {HEAD_DIM}] (the head dim)")
     flex = None
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention

@@ -216,9 +216,9 @@ class SparseCacheLayer(CacheLayerMixin):
                                             self.block_size, dtype=storage_dtype)
         else:
             values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
-        if self.quantized:  # both scales zeroed by one launch (a short prefill is bound by the host)
-            key_scales, value_scales = torch.zeros(2, batch, heads, new_capacity, dtype=torch.float32,
-                                                   device=key_states.device).unbind(0)
+        if self.quantized:
+            key_scales = torch.zeros(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
+            value_scales = torch.zeros_like(key_scales)
             if self.length:
                 key_scales[:, :, : self.length] = self.key_scale_storage[:, :, : self.length]
                 value_scales[:, :, : self.length] = self.value_scale_storage[:, :, : self.length]

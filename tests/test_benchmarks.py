@@ -220,6 +220,11 @@ def test_bench_attention_key_scorer_rows(monkeypatch, capsys):
     assert torch.allclose(directions @ directions.mT, torch.eye(4).expand(3, 4, 4), atol=1e-5)
     bench_attention.print_key_scorer([pooled, scored])
     assert "key scorer, rank 4" in capsys.readouterr().out
+    for rank in ("0", "65"):  # SmolLM2's head dim is 64: refused before anything needs a GPU
+        monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--shape", "smollm2", "--key-scorer", rank])
+        with pytest.raises(SystemExit) as refused:
+            bench_attention.main()
+        assert refused.value.code == 2 and f"--key-scorer {rank}: the rank must be in [1, 64]" in capsys.readouterr().err
 
 
 def test_long_context_curve_summarises_a_training_log(tmp_path):

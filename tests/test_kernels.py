@@ -1122,43 +1122,52 @@ def test_quantize_append_errors():
         kernels.quantize_append(states, states, keys, values, scales, torch.zeros(1, 32, 2).transpose(1, 2), 0)
 
 
-def test_append_inputs_fit_exactly_where_the_checks_pass():
-    """The quick test that lets a good ``quantize_append`` call skip the detailed checks says yes to every call they
-    pass (token-major and blocked values, a host or device start) and no to every call they refuse."""
-    from hf_sparse.kernels._common import _append_inputs_fit, check_append_inputs
+def test_append_input_checks_pass_and_refuse():
+    """``quantize_append``'s input checks (made cheap for the calls they pass) pass token-major and blocked values
+    and a host or device start, and refuse every mismatch with an error."""
+    import numpy as np
+
+    from hf_sparse.kernels._common import check_append_inputs
 
     states, wide = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
     keys = torch.zeros(1, 2, 32, 16, dtype=torch.int8)
     values, blocked = torch.zeros(1, 2, 32, 8, dtype=torch.int8), torch.zeros(1, 2, 2, 8, 16, dtype=torch.int8)
-    key_scales, value_scales = torch.zeros(2, 1, 2, 32).unbind(0)
+    key_scales, value_scales = torch.zeros(1, 2, 32), torch.zeros(1, 2, 32)
     good = [(states, wide, keys, values, key_scales, value_scales, 28),
             (states, wide, keys, blocked, key_scales, value_scales, 0),
-            (states, wide, keys, values, key_scales, value_scales, torch.tensor(5))]
+            (states, wide, keys, values, key_scales, value_scales, np.int64(3)),
+            (states, wide, keys, values, key_scales, value_scales, torch.tensor(5)),
+            (states, wide, keys, values, key_scales, value_scales, torch.tensor([5], dtype=torch.int32))]
     bad = [(states, wide, keys, values, key_scales, value_scales, 29),
            (states, wide, keys, values, key_scales, value_scales, -1),
+           (states, wide, keys, values, key_scales, value_scales, 5.5),
            (states, wide, keys, values, key_scales, value_scales, torch.tensor([5, 6])),
            (states, wide, keys, values, key_scales, value_scales, torch.tensor(5.0)),
+           (states, wide, keys, values, key_scales, value_scales, torch.tensor(True)),
            (states[:, :, :3], wide, keys, values, key_scales, value_scales, 0),
+           (states[0], wide, keys, values, key_scales, value_scales, 0),
            (states.int(), wide, keys, values, key_scales, value_scales, 0),
+           (states, wide.int(), keys, values, key_scales, value_scales, 0),
            (states, wide, keys.float(), values, key_scales, value_scales, 0),
            (states, wide, keys[:, :1], values, key_scales, value_scales, 0),
            (states, wide, keys, values[..., :4], key_scales, value_scales, 0),
+           (states, wide, keys, torch.zeros(1, 2, 1, 8, 16, dtype=torch.int8), key_scales, value_scales, 0),
            (states, wide, keys, torch.zeros(1, 2, 8, 16, 4, dtype=torch.int8), key_scales, value_scales, 0),
+           (states, wide, keys, values[None], key_scales, value_scales, 0),
            (states, wide, keys, values, key_scales.double(), value_scales, 0),
            (states, wide, keys, values, key_scales, value_scales[:, :, :16], 0),
            (states, wide, torch.zeros(1, 2, 16, 32, dtype=torch.int8).transpose(2, 3), values, key_scales,
             value_scales, 0),
-           (states, wide, keys, values, key_scales, torch.zeros(1, 32, 2).transpose(1, 2), 0),
-           (states[0], wide, keys, values, key_scales, value_scales, 0)]
+           (states, wide, keys, values, key_scales, torch.zeros(1, 32, 2).transpose(1, 2), 0)]
     if CUDA:
-        bad.append((states, wide, keys, values, key_scales, value_scales, torch.tensor(5, device="cuda")))
+        bad += [(states, wide, keys, values, key_scales, value_scales, torch.tensor(5, device="cuda")),
+                (states, wide, keys, values, key_scales.cuda(), value_scales, 0)]
     for args in good:
-        assert _append_inputs_fit(*args)
         check_append_inputs(*args)
-    for args in bad:
-        assert not _append_inputs_fit(*args)
+    for number, args in enumerate(bad):
         with pytest.raises((ValueError, TypeError)):
             check_append_inputs(*args)
+            pytest.fail(f"bad input {number} passed")
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -116,80 +117,57 @@ def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor,
             raise ValueError(f"block counts need a block_size >= 1, got {block_size}")
 
 
-def _append_inputs_fit(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
-                       value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
-                       start: int | torch.Tensor) -> bool:
-    """Whether :func:`check_append_inputs` passes these inputs, in half its host time (an int8 layer's write of
-    every prefill calls it, and a short prefill is bound by the host); False only where it raises."""
-    shape, storage_shape, value_shape = key_states.shape, key_storage.shape, value_states.shape
-    if len(shape) != 4 or len(storage_shape) != 4 or len(value_shape) != 4:
-        return False
-    batch, heads, tokens, head_dim = shape
-    slots = storage_shape[2]
-    if value_shape[0] != batch or value_shape[1] != heads or value_shape[2] != tokens:
-        return False
-    held = value_storage.shape
-    if len(held) == 5:  # blocked values
-        held = (held[0], held[1], held[2] * held[4], held[3])
-    scales = (batch, heads, slots)
-    if (storage_shape != (batch, heads, slots, head_dim) or held != (batch, heads, slots, value_shape[3])
-            or key_scales.shape != scales or value_scales.shape != scales):
-        return False
-    if (key_states.dtype not in SUPPORTED_DTYPES or value_states.dtype not in SUPPORTED_DTYPES
-            or key_storage.dtype != torch.int8 or value_storage.dtype != torch.int8
-            or key_scales.dtype != torch.float32 or value_scales.dtype != torch.float32):
-        return False
-    if not (key_storage.is_contiguous() and value_storage.is_contiguous() and key_scales.is_contiguous()
-            and value_scales.is_contiguous()):
-        return False
-    device = key_states.device
-    if not (value_states.device == device and key_storage.device == device and value_storage.device == device
-            and key_scales.device == device and value_scales.device == device):
-        return False
-    if isinstance(start, torch.Tensor):
-        return start.numel() == 1 and not start.is_floating_point() and start.device == device
-    return 0 <= int(start) <= slots - tokens
-
-
 def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                         value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
                         start: int | torch.Tensor) -> None:
     """Raise a clear error for a ``quantize_append`` call the ops do not take (a device-side ``start`` is not
-    range-checked: that would read it back to the host)."""
-    if _append_inputs_fit(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):
-        return  # (the checks below, which name the problem, only for inputs that fail)
-    if key_states.dim() != 4 or value_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
-        raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(key_states.shape)} "
-                         f"and {tuple(value_states.shape)}")
-    for name, states in (("key_states", key_states), ("value_states", value_states)):
-        if states.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} dtype {states.dtype} unsupported: use float16, bfloat16 or float32")
-    batch, heads, tokens = key_states.shape[:3]
-    slots = key_storage.shape[2] if key_storage.dim() == 4 else -1
-    value_shape = (tuple(value_storage.shape[:2]) + (value_storage.shape[2] * value_storage.shape[4], value_storage.shape[3])
-                   if value_storage.dim() == 5 else tuple(value_storage.shape))
-    expected = ((batch, heads, slots, key_states.shape[3]), (batch, heads, slots, value_states.shape[3]))
+    range-checked: that would read it back to the host). Every int8 layer's write calls it, and a short prefill is
+    bound by the host: a passing call makes no tuples, loops or messages."""
+    shape, value_shape = key_states.shape, value_states.shape
+    if len(shape) != 4 or len(value_shape) != 4 or shape[:3] != value_shape[:3]:
+        raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(shape)} "
+                         f"and {tuple(value_shape)}")
+    if key_states.dtype not in SUPPORTED_DTYPES or value_states.dtype not in SUPPORTED_DTYPES:
+        name, dtype = (("key_states", key_states.dtype) if key_states.dtype not in SUPPORTED_DTYPES
+                       else ("value_states", value_states.dtype))
+        raise TypeError(f"{name} dtype {dtype} unsupported: use float16, bfloat16 or float32")
+    batch, heads, tokens, head_dim = shape
+    storage_shape, blocked_shape = key_storage.shape, value_storage.shape
+    slots = storage_shape[2] if len(storage_shape) == 4 else -1
+    token_major = (blocked_shape if len(blocked_shape) != 5 else
+                   (blocked_shape[0], blocked_shape[1], blocked_shape[2] * blocked_shape[4], blocked_shape[3]))
     if (key_storage.dtype != torch.int8 or value_storage.dtype != torch.int8
-            or (tuple(key_storage.shape), value_shape) != expected):
-        raise ValueError(f"int8 storage must be keys {expected[0]} and values {expected[1]} (or blocked), got "
-                         f"{key_storage.dtype} {tuple(key_storage.shape)} and {value_storage.dtype} "
-                         f"{tuple(value_storage.shape)}")
+            or storage_shape != (batch, heads, slots, head_dim)
+            or tuple(token_major) != (batch, heads, slots, value_shape[3])):
+        raise ValueError(f"int8 storage must be keys {(batch, heads, slots, head_dim)} and values "
+                         f"{(batch, heads, slots, value_shape[3])} (or blocked), got {key_storage.dtype} "
+                         f"{tuple(storage_shape)} and {value_storage.dtype} {tuple(blocked_shape)}")
     for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
-        if scales.dtype != torch.float32 or tuple(scales.shape) != (batch, heads, slots):
+        if scales.dtype != torch.float32 or scales.shape != (batch, heads, slots):
             raise ValueError(f"{name} must be float32 {(batch, heads, slots)}, got {scales.dtype} {tuple(scales.shape)}")
-    for name, tensor in (("key storage", key_storage), ("value storage", value_storage), ("key_scales", key_scales),
-                         ("value_scales", value_scales)):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (as SparseCache allocates it), got strides {tensor.stride()}")
-    if not (key_states.device == value_states.device == key_storage.device == value_storage.device
-            == key_scales.device == value_scales.device):
+    if not (key_storage.is_contiguous() and value_storage.is_contiguous() and key_scales.is_contiguous()
+            and value_scales.is_contiguous()):
+        for name, tensor in (("key storage", key_storage), ("value storage", value_storage),
+                             ("key_scales", key_scales), ("value_scales", value_scales)):
+            if not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (as SparseCache allocates it), got strides "
+                                 f"{tensor.stride()}")
+    device = key_states.device
+    if not (value_states.device == device and key_storage.device == device and value_storage.device == device
+            and key_scales.device == device and value_scales.device == device):
         raise ValueError("states, storage and scales must be on one device")
     if isinstance(start, torch.Tensor):
-        if start.numel() != 1 or start.is_floating_point() or start.device != key_states.device:
-            raise ValueError(f"a tensor start must be one integer element on {key_states.device}, got "
+        if start.numel() != 1 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool \
+                or start.device != device:
+            raise ValueError(f"a tensor start must be one integer element on {device}, got "
                              f"{tuple(start.shape)} {start.dtype} on {start.device}")
-    elif not 0 <= int(start) <= slots - tokens:
-        raise ValueError(f"slots {start}..{int(start) + tokens} do not fit the storage's {slots}")
+        return
+    try:
+        first = operator.index(start)
+    except TypeError:
+        raise TypeError(f"start must be an integer or a one-element integer tensor, got {start!r}") from None
+    if not 0 <= first <= slots - tokens:
+        raise ValueError(f"slots {first}..{first + tokens} do not fit the storage's {slots}")
 
 
 _SM_COUNTS: dict[int, int] = {}
