@@ -713,6 +713,28 @@ def print_select_variants(rows: list[dict]) -> None:
 # -- main -------------------------------------------------------------------------------------------------------
 
 
+def time_selection(row: dict, select, whole, selection: BlockSelection, qkv: tuple, kv_start, flex) -> dict:
+    """``row`` with a prefill selection's times (ms): ``select`` (the selection), its attention, ``whole`` (the
+    selection from scratch) then the attention as one call sequence ("total"), and FlexAttention over the same mask
+    when ``flex`` is given."""
+    query, key, value = qkv
+    row["select_ms"] = median_ms(select)
+    row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
+    row["total_ms"] = median_ms(lambda: attend(query, key, value, whole(), kv_start))
+    if flex is not None:
+        row["flex_ms"] = flex_ms(flex, query, key, value, selection, key.shape[2])
+    return row
+
+
+#: The columns of :func:`time_selection`'s times beside SDPA's, in the studies' tables.
+SELECTION_COLUMNS = [
+    ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
+    ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
+    ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"])),
+    ("Flex, same mask", lambda r: cell(r.get("flex_ms"), ".2f")),
+    ("total / Flex", lambda r: speedup(r["total_ms"] / r["flex_ms"]) if "flex_ms" in r else "-")]
+
+
 def stride_spec(value: str) -> tuple[int, float]:
     """argparse type of ``--query-stride``: "S" or "S:SCALE" (top-k scaled by SCALE)."""
     stride, _, scale = value.partition(":")
@@ -725,11 +747,11 @@ def stride_spec(value: str) -> tuple[int, float]:
     return spec
 
 
-def query_stride_rows(length: int, specs: list[tuple[int, float]], flex) -> list[dict]:
+def query_stride_rows(length: int, specs: list[tuple[int, float]], flex, device: str = "cuda") -> list[dict]:
     """Prefill selection at each (stride, top-k scale) of ``specs`` after stride 1 (every query searching); with
     ``flex``, FlexAttention over each row's own block mask beside it."""
-    query, key, value = structured_qkv(1, length, length, shape=SHAPE)
-    kv_start = RowLayout.uniform(1, "cuda")
+    query, key, value = structured_qkv(1, length, length, shape=SHAPE, device=device)
+    kv_start = RowLayout.uniform(1, device)
     summ = kernels.block_summaries(key, None, kv_start, BLOCK)
     sdpa_ms, backend = best_sdpa(query, key, value, causal=True)
     rows = []
@@ -742,13 +764,8 @@ def query_stride_rows(length: int, specs: list[tuple[int, float]], flex) -> list
         selection = select()
         row = {"length": length, "stride": stride, "top_k": top_k, "sdpa_ms": sdpa_ms, "sdpa_backend": backend,
                "density": selection.counts.sum().item() / (causal_tile_blocks(selection.num_query_tiles) * Q_HEADS)}
-        row["select_ms"] = median_ms(select)
-        row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
-        row["total_ms"] = median_ms(lambda: attend(query, key, value, select(
-            kernels.block_summaries(key, None, kv_start, BLOCK)), kv_start))
-        if flex is not None:
-            row["flex_ms"] = flex_ms(flex, query, key, value, selection, length)
-        rows.append(row)
+        rows.append(time_selection(row, select, lambda: select(kernels.block_summaries(key, None, kv_start, BLOCK)),
+                                   selection, (query, key, value), kv_start, flex))
         progress(f"query stride {json.dumps(row)}")
     return rows
 
@@ -758,13 +775,7 @@ def print_query_strides(rows: list[dict]) -> None:
           "top-k scaled (ms); total = summaries + selection + attention")
     print(table([("length", lambda r: str(r["length"])), ("S", lambda r: str(r["stride"])),
                  ("top-k", lambda r: f"{r['top_k'][0]}..{r['top_k'][1]}"),
-                 ("density", lambda r: cell(r["density"], ".3f")),
-                 ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
-                 ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
-                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"])),
-                 ("Flex, same mask", lambda r: cell(r.get("flex_ms"), ".2f")),
-                 ("total / Flex", lambda r: speedup(r["total_ms"] / r["flex_ms"]) if "flex_ms" in r else "-")],
-                rows))
+                 ("density", lambda r: cell(r["density"], ".3f"))] + SELECTION_COLUMNS, rows))
 
 
 def random_directions(rank: int, seed: int = 0) -> torch.Tensor:
@@ -809,12 +820,7 @@ def key_scorer_rows(length: int, rank: int, flex, device: str = "cuda") -> list[
                "density": selection.counts.sum().item() / (causal_tile_blocks(selection.num_query_tiles) * Q_HEADS)}
         if select is scored:
             row["scan_ms"] = median_ms(scan)
-        row["select_ms"] = median_ms(select)  # mean pooling: summaries + selection
-        row["attend_ms"] = median_ms(lambda: attend(query, key, value, selection, kv_start))
-        row["total_ms"] = median_ms(lambda: attend(query, key, value, select(), kv_start))
-        if flex is not None:
-            row["flex_ms"] = flex_ms(flex, query, key, value, selection, length)
-        rows.append(row)
+        rows.append(time_selection(row, select, select, selection, (query, key, value), kv_start, flex))
         progress(f"key scorer {json.dumps(row)}")
     return rows
 
@@ -825,13 +831,8 @@ def print_key_scorer(rows: list[dict]) -> None:
           "(one call); select = the whole selection (mean pooling: summaries + select_blocks); total = select + attend")
     print(table([("length", lambda r: str(r["length"])), ("scorer", lambda r: r["scorer"]),
                  ("top-k", lambda r: f"{r['top_k'][0]}..{r['top_k'][1]}"),
-                 ("density", lambda r: cell(r["density"], ".3f")), ("scan", lambda r: cell(r.get("scan_ms"), ".2f")),
-                 ("select", lambda r: cell(r["select_ms"], ".2f")), ("attend", lambda r: cell(r["attend_ms"], ".2f")),
-                 ("total", lambda r: cell(r["total_ms"], ".2f")), ("SDPA", lambda r: cell(r["sdpa_ms"], ".2f")),
-                 ("SDPA / total", lambda r: speedup(r["sdpa_ms"] / r["total_ms"])),
-                 ("Flex, same mask", lambda r: cell(r.get("flex_ms"), ".2f")),
-                 ("total / Flex", lambda r: speedup(r["total_ms"] / r["flex_ms"]) if "flex_ms" in r else "-")],
-                rows))
+                 ("density", lambda r: cell(r["density"], ".3f")),
+                 ("scan", lambda r: cell(r.get("scan_ms"), ".2f"))] + SELECTION_COLUMNS, rows))
 
 
 def fresh(result):

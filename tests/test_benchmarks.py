@@ -201,7 +201,8 @@ def test_bench_attention_query_stride_spec():
 
 def test_bench_attention_key_scorer_rows(monkeypatch, capsys):
     """``--key-scorer``: a mean-pooling row and a key-scorer row per length, each with its density, selection,
-    attention and total (the GPU timers replaced by a call count; the selections run on the CPU)."""
+    attention and total, and ``--query-stride``'s rows timed the same way (the GPU timers replaced by a call count;
+    the selections run on the CPU)."""
     import bench_attention
 
     calls = []
@@ -220,6 +221,12 @@ def test_bench_attention_key_scorer_rows(monkeypatch, capsys):
     assert torch.allclose(directions @ directions.mT, torch.eye(4).expand(3, 4, 4), atol=1e-5)
     bench_attention.print_key_scorer([pooled, scored])
     assert "key scorer, rank 4" in capsys.readouterr().out
+    calls.clear()  # the --query-stride study times its selections the same way
+    strided = bench_attention.query_stride_rows(640, [(4, 1.1)], None, device="cpu")
+    assert [row["stride"] for row in strided] == [1, 4] and len(calls) == 6
+    assert all(row["select_ms"] < row["attend_ms"] < row["total_ms"] for row in strided)
+    bench_attention.print_query_strides(strided)
+    assert "SDPA / total" in capsys.readouterr().out
     for rank in ("0", "65"):  # SmolLM2's head dim is 64: refused before anything needs a GPU
         monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--shape", "smollm2", "--key-scorer", rank])
         with pytest.raises(SystemExit) as refused:
