@@ -1141,6 +1141,7 @@ def test_append_input_checks_pass_and_refuse():
     bad = [(states, wide, keys, values, key_scales, value_scales, 29),
            (states, wide, keys, values, key_scales, value_scales, -1),
            (states, wide, keys, values, key_scales, value_scales, 5.5),
+           (states, wide, keys, values, key_scales, value_scales, True),
            (states, wide, keys, values, key_scales, value_scales, torch.tensor([5, 6])),
            (states, wide, keys, values, key_scales, value_scales, torch.tensor(5.0)),
            (states, wide, keys, values, key_scales, value_scales, torch.tensor(True)),

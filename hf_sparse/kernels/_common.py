@@ -122,7 +122,7 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
                         start: int | torch.Tensor) -> None:
     """Raise a clear error for a ``quantize_append`` call the ops do not take (a device-side ``start`` is not
     range-checked: that would read it back to the host). Every int8 layer's write calls it, and a short prefill is
-    bound by the host: a passing call makes no tuples, loops or messages."""
+    bound by the host: a passing call builds no messages and loops over no tensors."""
     shape, value_shape = key_states.shape, value_states.shape
     if len(shape) != 4 or len(value_shape) != 4 or shape[:3] != value_shape[:3]:
         raise ValueError(f"key/value states must be [B, H, n, D] with one [B, H, n], got {tuple(shape)} "
@@ -142,9 +142,12 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
         raise ValueError(f"int8 storage must be keys {(batch, heads, slots, head_dim)} and values "
                          f"{(batch, heads, slots, value_shape[3])} (or blocked), got {key_storage.dtype} "
                          f"{tuple(storage_shape)} and {value_storage.dtype} {tuple(blocked_shape)}")
-    for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
-        if scales.dtype != torch.float32 or scales.shape != (batch, heads, slots):
-            raise ValueError(f"{name} must be float32 {(batch, heads, slots)}, got {scales.dtype} {tuple(scales.shape)}")
+    scales_shape = (batch, heads, slots)
+    if not (key_scales.dtype == value_scales.dtype == torch.float32 and key_scales.shape == scales_shape
+            and value_scales.shape == scales_shape):
+        for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if scales.dtype != torch.float32 or scales.shape != scales_shape:
+                raise ValueError(f"{name} must be float32 {scales_shape}, got {scales.dtype} {tuple(scales.shape)}")
     if not (key_storage.is_contiguous() and value_storage.is_contiguous() and key_scales.is_contiguous()
             and value_scales.is_contiguous()):
         for name, tensor in (("key storage", key_storage), ("value storage", value_storage),
@@ -157,15 +160,17 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
             and key_scales.device == device and value_scales.device == device):
         raise ValueError("states, storage and scales must be on one device")
     if isinstance(start, torch.Tensor):
-        if start.numel() != 1 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool \
-                or start.device != device:
+        if (start.numel() != 1 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool
+                or start.device != device):
             raise ValueError(f"a tensor start must be one integer element on {device}, got "
                              f"{tuple(start.shape)} {start.dtype} on {start.device}")
         return
     try:
-        first = operator.index(start)
+        first = operator.index(start) if not isinstance(start, bool) else None
     except TypeError:
-        raise TypeError(f"start must be an integer or a one-element integer tensor, got {start!r}") from None
+        first = None
+    if first is None:
+        raise TypeError(f"start must be an integer or a one-element integer tensor, got {start!r}")
     if not 0 <= first <= slots - tokens:
         raise ValueError(f"slots {first}..{first + tokens} do not fit the storage's {slots}")
 
