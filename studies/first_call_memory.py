@@ -6,7 +6,10 @@ runs dense, time do not depend on the weights; ``--model smollm2`` takes the tra
 * ``breakdown``: each method's first generate() (3 new tokens) under ``torch.cuda.memory._record_memory_history``;
   the allocations alive at the moment the most memory was live, summed per allocating site (the innermost
   hf_sparse / transformers frames), beside ``max_memory_allocated`` and what was allocated before the call (the
-  weights, and cuBLAS's workspace once a matmul ran).
+  weights, and cuBLAS's workspace once a matmul ran); and the memory allocated when the prefill's last decoder layer
+  calls its attention's output projection: the whole cache is written, and what else is alive there (the hidden
+  states the model and the layer hold, the attention's query, key, value and output) is transformers' own, so no
+  feed-forward or attention of a method's can take its peak below it.
 * ``prefill-chunks``: PLAS with and without the int8 K/V cache, with and without ``generate(prefill_chunk_size=N)``
   (transformers' chunked prefill): the first call's peak against sdpa's, and TTFT (median of ``--rounds``
   rounds, every variant once per round in a rotating order) against bf16 PLAS's.
@@ -84,6 +87,37 @@ def _fresh(model) -> None:
     torch.cuda.empty_cache()
 
 
+def last_output_projection(model) -> Any:
+    """The output projection (``o_proj``) of ``model``'s last attention module."""
+    projections = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "o_proj"]
+    if not projections:
+        raise SystemExit(f"{type(model).__name__} has no attention output projection named o_proj")
+    return projections[-1]
+
+
+def held_at_last_output_projection(model, ids) -> int:
+    """Bytes allocated when a fresh first prefill (one new token) of ``ids`` reaches its last layer's output
+    projection (a hook there, removed when it fires: the decode path, which looks for hooks, is not run)."""
+    import torch
+
+    from bench_generate import timed_generate
+
+    _fresh(model)
+    held = []
+
+    def record(module, inputs) -> None:
+        held.append(torch.cuda.memory_allocated())
+        handle.remove()
+
+    handle = last_output_projection(model).register_forward_pre_hook(record)
+    try:
+        with torch.no_grad():
+            timed_generate(model, ids, 1)
+    finally:
+        handle.remove()
+    return held[0]
+
+
 def breakdown(args: argparse.Namespace) -> None:
     import torch
 
@@ -92,6 +126,7 @@ def breakdown(args: argparse.Namespace) -> None:
 
     loaded = _load(args.model)
     ids = loaded.prompt(args.length)
+    peaks: dict[str, int] = {}
     for method in args.methods:
         _fresh(loaded.model)
         _common.use_method(loaded.model, method)
@@ -103,8 +138,15 @@ def breakdown(args: argparse.Namespace) -> None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         traced, alive = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
-        print(f"== {method} at {args.length} tokens: peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, "
-              f"{before / 2**20:.1f} MiB before the call, {traced / 2**20:.1f} MiB allocated by it at its peak")
+        peak = torch.cuda.max_memory_allocated()
+        peaks[method] = peak
+        at_output = held_at_last_output_projection(loaded.model, ids)
+        dense = peaks.get("sdpa")
+        print(f"== {method} at {args.length} tokens: peak {peak / 2**20:.1f} MiB"
+              + (f" ({peak / dense:.3f}x sdpa's)" if dense else "")
+              + f", {before / 2**20:.1f} MiB before the call, {traced / 2**20:.1f} MiB allocated by it at its peak; "
+              f"{at_output / 2**20:.1f} MiB allocated when the prefill's last layer enters its output projection"
+              + (f" ({at_output / dense:.3f}x sdpa's peak)" if dense else ""))
         for where, size in by_site(alive.values())[:args.top]:
             print(f"  {size / 2**20:8.1f} MiB  {where}")
 

@@ -1,6 +1,7 @@
 """Host time of one call of a few launches a short prefill makes (CUDA only): the int8 cache's
-``kernels.quantize_append`` (its input checks, the device guard, Triton's launch), the Triton launch alone, the
-checks alone, an empty two-argument Triton kernel, one in-place torch operator and one ``torch.zeros``.
+``kernels.quantize_append`` (its input checks, the device guard, Triton's launch), the Triton launch alone (the
+compiled kernel launched directly, :mod:`hf_sparse.kernels._launch`, and through Triton's JIT), the checks alone, an
+empty two-argument Triton kernel, one in-place torch operator and one ``torch.zeros``.
 
 Each call is repeated back to back without synchronising, so with a few query tokens the GPU idles and the time per
 call is the host's. Quoted in docs/features.md ("The 8K gap is the host's"). From the repository root, on a GPU:
@@ -38,9 +39,22 @@ def main() -> None:
     import triton
     import triton.language as tl
 
+    import importlib
+
     from hf_sparse import kernels
     from hf_sparse.kernels._common import check_append_inputs
-    from hf_sparse.kernels.quantize_append import quantize_append as triton_quantize_append
+    from hf_sparse.kernels._launch import Launcher
+
+    op = importlib.import_module("hf_sparse.kernels.quantize_append")  # (kernels.quantize_append is the op)
+    direct, through_jit = op._LAUNCH, Launcher(op._LAUNCH.kernel)
+    through_jit.direct = False
+
+    def jit_launch(*append) -> None:
+        op._LAUNCH = through_jit
+        try:
+            op.quantize_append(*append)
+        finally:
+            op._LAUNCH = direct
 
     @triton.jit
     def empty_kernel(x, n):  # noqa: ARG001 (a launch and nothing else)
@@ -60,7 +74,8 @@ def main() -> None:
         append = (keys, values, key_storage, value_storage, key_scales, value_scales, 0)
         calls = {
             "kernels.quantize_append (checks, device guard, launch)": lambda: kernels.quantize_append(*append),
-            "its Triton launch alone": lambda: triton_quantize_append(*append),
+            "its Triton launch alone (direct)": lambda: op.quantize_append(*append),
+            "its Triton launch alone, through Triton's JIT": lambda: jit_launch(*append),
             "its input checks alone": lambda: check_append_inputs(*append),
             "an empty Triton kernel, two arguments": lambda: empty_kernel[(1,)](scratch, 1),
             "torch add_": lambda: scratch.add_(1),

@@ -1187,3 +1187,38 @@ def test_quantize_append_whole_long_prompt():
     OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], 0)
     for expected, got in zip(storages[0], storages[1]):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_quantize_append_direct_launches_equal_the_reference():
+    """Repeated calls launch the compiled kernel directly (:class:`hf_sparse.kernels._launch.Launcher`) where an
+    earlier call had the same specialisation, and write what the reference writes: starts that are 1, multiples of
+    16 and neither, states at addresses that are and are not multiples of 16, bf16 and float32, token-major and
+    blocked values, a host and a device start."""
+    launcher = OPS["quantize_append"]._LAUNCH
+    gen = torch.Generator().manual_seed(seed("append-direct"))
+    slots, block = 512, 128
+    for dtype in (torch.bfloat16, torch.float32):
+        wide = bnsd(2, 3, 80, 72, dtype, "bsnd", gen)
+        for blocked in (False, True):
+            storages = []
+            for _ in range(2):
+                values = torch.full((2, 3, slots, 64), 99, dtype=torch.int8, device=DEVICE)
+                storages.append((torch.full((2, 3, slots, 64), 99, dtype=torch.int8, device=DEVICE),
+                                 ref.blocked_values(values, block) if blocked else values,
+                                 torch.full((2, 3, slots), float("nan"), device=DEVICE),
+                                 torch.full((2, 3, slots), float("nan"), device=DEVICE)))
+            for start, tokens, shift in [(0, 33, 0), (1, 7, 0), (16, 16, 1), (40, 5, 0), (45, 5, 0), (50, 5, 3),
+                                         (55, 5, 3), (64, 1, 0), (65, 1, 0), (66, 1, 1), (67, 1, 1)]:
+                key_states = wide[:, :, :tokens, shift:shift + 64]  # shift 1 or 3: not 16-byte aligned
+                value_states = wide[:, :, tokens:2 * tokens, :64]
+                device_start = start >= 64
+                start_arg = torch.tensor([start], device=DEVICE) if device_start else start
+                before = launcher.launches
+                ref.quantize_append(key_states, value_states, *storages[0], start_arg)
+                for _ in range(2):  # the second call has the first's specialisation
+                    OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], start_arg)
+                assert launcher.launches > before, "a repeated call did not launch directly"
+                for expected, got in zip(storages[0], storages[1]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)

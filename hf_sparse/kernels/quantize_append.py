@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_power_of_2
+from ._launch import Launcher
 
 #: 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude < 2**22 to an integer, ties to even.
 _ROUNDER = tl.constexpr(12582912.0)
@@ -78,15 +79,19 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
         raise ValueError(f"quantize_append takes at most 65535 (batch x heads) rows, got {batch} x {heads}")
     value_block = value_storage.shape[4] if value_storage.dim() == 5 else 0
     device_start = isinstance(start, torch.Tensor)
-    # The storages are contiguous (check_append_inputs): offsets from their shapes, fewer arguments to launch with
-    # (a short prefill is bound by the host, and each argument costs the launch).
-    _quantize_append_kernel[(tokens, batch * heads)](
-        key_states, value_states, key_storage, value_storage, key_scales, value_scales,
-        start if device_start else key_scales,
-        *key_states.stride(), *value_states.stride(), key_storage.shape[2],
-        value_storage.shape[2] * value_block if value_block else value_storage.shape[2],
-        0 if device_start else int(start),
-        HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=max(16, next_power_of_2(head_dim)),
-        DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start,
+    # The storages are contiguous (check_append_inputs): offsets from their shapes, fewer arguments to launch with;
+    # and a repeated specialisation launches its compiled kernel directly (a short prefill is bound by the host).
+    _LAUNCH(
+        (tokens, batch * heads),
+        (key_states, value_states, key_storage, value_storage, key_scales, value_scales,
+         start if device_start else key_scales, *key_states.stride(), *value_states.stride(), key_storage.shape[2],
+         value_storage.shape[2] * value_block if value_block else value_storage.shape[2],
+         0 if device_start else int(start)),
+        dict(HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=max(16, next_power_of_2(head_dim)),
+             DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start),
         num_warps=1,
     )
+
+
+#: The kernel's launches (:class:`hf_sparse.kernels._launch.Launcher`).
+_LAUNCH = Launcher(_quantize_append_kernel)
