@@ -6,8 +6,8 @@ runs dense, time do not depend on the weights; ``--model smollm2`` takes the tra
 * ``breakdown``: each method's first generate() (3 new tokens) under ``torch.cuda.memory._record_memory_history``;
   the allocations alive at the moment the most memory was live, summed per allocating site (the innermost
   hf_sparse / transformers frames), beside ``max_memory_allocated`` and what was allocated before the call (the
-  weights, and cuBLAS's workspace once a matmul ran); and the memory allocated when the prefill's last decoder layer
-  calls its attention's output projection: the whole cache is written, and what else is alive there (the hidden
+  weights, and cuBLAS's workspace once a matmul ran); and the memory allocated in that call when the prefill's last
+  decoder layer calls its attention's output projection: the whole cache is written, and what else is alive there (the hidden
   states the model and the layer hold, the attention's query, key, value and output) is transformers' own, so no
   feed-forward or attention of a method's can take its peak below it.
 * ``prefill-chunks``: PLAS with and without the int8 K/V cache, with and without ``generate(prefill_chunk_size=N)``
@@ -95,27 +95,18 @@ def last_output_projection(model) -> Any:
     return projections[-1]
 
 
-def held_at_last_output_projection(model, ids) -> int:
-    """Bytes allocated when a fresh first prefill (one new token) of ``ids`` reaches its last layer's output
-    projection (a hook there, removed when it fires: the decode path, which looks for hooks, is not run)."""
+def record_at_last_output_projection(model, held: list) -> Any:
+    """A forward pre-hook on ``model``'s last attention output projection that appends the bytes allocated when it
+    is first called (the prefill's last layer) to ``held`` and removes itself (before any decode step, whose path
+    looks for hooks); its handle."""
     import torch
-
-    from bench_generate import timed_generate
-
-    _fresh(model)
-    held = []
 
     def record(module, inputs) -> None:
         held.append(torch.cuda.memory_allocated())
         handle.remove()
 
     handle = last_output_projection(model).register_forward_pre_hook(record)
-    try:
-        with torch.no_grad():
-            timed_generate(model, ids, 1)
-    finally:
-        handle.remove()
-    return held[0]
+    return handle
 
 
 def breakdown(args: argparse.Namespace) -> None:
@@ -132,21 +123,25 @@ def breakdown(args: argparse.Namespace) -> None:
         _common.use_method(loaded.model, method)
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+        held: list[int] = []
+        handle = record_at_last_output_projection(loaded.model, held)
         torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-        with torch.no_grad():
-            timed_generate(loaded.model, ids, 3)
+        try:
+            with torch.no_grad():
+                timed_generate(loaded.model, ids, 3)
+        finally:
+            handle.remove()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         traced, alive = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
         peak = torch.cuda.max_memory_allocated()
         peaks[method] = peak
-        at_output = held_at_last_output_projection(loaded.model, ids)
         dense = peaks.get("sdpa")
         print(f"== {method} at {args.length} tokens: peak {peak / 2**20:.1f} MiB"
               + (f" ({peak / dense:.3f}x sdpa's)" if dense else "")
               + f", {before / 2**20:.1f} MiB before the call, {traced / 2**20:.1f} MiB allocated by it at its peak; "
-              f"{at_output / 2**20:.1f} MiB allocated when the prefill's last layer enters its output projection"
-              + (f" ({at_output / dense:.3f}x sdpa's peak)" if dense else ""))
+              f"{held[0] / 2**20:.1f} MiB allocated when the prefill's last layer enters its output projection"
+              + (f" ({held[0] / dense:.3f}x sdpa's peak)" if dense else ""))
         for where, size in by_site(alive.values())[:args.top]:
             print(f"  {size / 2**20:8.1f} MiB  {where}")
 

@@ -36,25 +36,16 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("launch_cost.py needs a CUDA GPU")
+    import importlib
+    import os
+
     import triton
     import triton.language as tl
 
-    import importlib
-
     from hf_sparse import kernels
     from hf_sparse.kernels._common import check_append_inputs
-    from hf_sparse.kernels._launch import Launcher
 
     op = importlib.import_module("hf_sparse.kernels.quantize_append")  # (kernels.quantize_append is the op)
-    direct, through_jit = op._LAUNCH, Launcher(op._LAUNCH.kernel)
-    through_jit.direct = False
-
-    def jit_launch(*append) -> None:
-        op._LAUNCH = through_jit
-        try:
-            op.quantize_append(*append)
-        finally:
-            op._LAUNCH = direct
 
     @triton.jit
     def empty_kernel(x, n):  # noqa: ARG001 (a launch and nothing else)
@@ -75,14 +66,24 @@ def main() -> None:
         calls = {
             "kernels.quantize_append (checks, device guard, launch)": lambda: kernels.quantize_append(*append),
             "its Triton launch alone (direct)": lambda: op.quantize_append(*append),
-            "its Triton launch alone, through Triton's JIT": lambda: jit_launch(*append),
+            "its Triton launch alone, through Triton's JIT (HF_SPARSE_DIRECT_LAUNCH=0)": lambda: op.quantize_append(
+                *append),
             "its input checks alone": lambda: check_append_inputs(*append),
             "an empty Triton kernel, two arguments": lambda: empty_kernel[(1,)](scratch, 1),
             "torch add_": lambda: scratch.add_(1),
             "torch.zeros of a scale storage": lambda: torch.zeros(1, heads, capacity, device=device),
         }
         for name, call in calls.items():
-            print(f"| {tokens} | {name} | {host_us(call, args.calls):.1f} |")
+            previous, direct = os.environ.get("HF_SPARSE_DIRECT_LAUNCH"), op._LAUNCH.launches
+            os.environ["HF_SPARSE_DIRECT_LAUNCH"] = "0" if "HF_SPARSE_DIRECT_LAUNCH=0" in name else "1"
+            try:
+                print(f"| {tokens} | {name} | {host_us(call, args.calls):.1f} |")
+            finally:
+                os.environ.pop("HF_SPARSE_DIRECT_LAUNCH")
+                if previous is not None:
+                    os.environ["HF_SPARSE_DIRECT_LAUNCH"] = previous
+            if "(direct)" in name and op._LAUNCH.launches == direct:
+                raise SystemExit("the direct launch did not run: the row above timed Triton's JIT")
 
 
 if __name__ == "__main__":

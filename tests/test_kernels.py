@@ -1191,12 +1191,28 @@ def test_quantize_append_whole_long_prompt():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_quantize_append_direct_launches_equal_the_reference():
-    """Repeated calls launch the compiled kernel directly (:class:`hf_sparse.kernels._launch.Launcher`) where an
-    earlier call had the same specialisation, and write what the reference writes: starts that are 1, multiples of
-    16 and neither, states at addresses that are and are not multiples of 16, bf16 and float32, token-major and
-    blocked values, a host and a device start."""
-    launcher = OPS["quantize_append"]._LAUNCH
+@pytest.mark.skipif(os.environ.get("HF_SPARSE_DIRECT_LAUNCH") == "0", reason="HF_SPARSE_DIRECT_LAUNCH=0")
+def test_quantize_append_direct_launches_equal_the_reference(monkeypatch):
+    """Each call launches once, through Triton's JIT or directly (:class:`hf_sparse.kernels._launch.Launcher`), and
+    directly when the call before had its specialisation, and writes what the reference writes: starts that are 1, multiples of 16
+    and neither, keys and values at addresses that are and are not multiples of 16, bf16 and float32, token-major and
+    blocked values, a host and a device start (int64 and int32)."""
+    from hf_sparse.kernels._launch import Launcher
+
+    class Counted:  # the JIT function, counting the launches that go through it
+        def __init__(self, kernel):
+            self.kernel, self.calls = kernel, 0
+
+        def __getitem__(self, grid):
+            self.calls += 1
+            return self.kernel[grid]
+
+        def __getattr__(self, name):
+            return getattr(self.kernel, name)
+
+    module = OPS["quantize_append"]
+    launcher = Launcher(Counted(module._LAUNCH.kernel))
+    monkeypatch.setattr(module, "_LAUNCH", launcher)
     gen = torch.Generator().manual_seed(seed("append-direct"))
     slots, block = 512, 128
     for dtype in (torch.bfloat16, torch.float32):
@@ -1210,15 +1226,16 @@ def test_quantize_append_direct_launches_equal_the_reference():
                                  torch.full((2, 3, slots), float("nan"), device=DEVICE),
                                  torch.full((2, 3, slots), float("nan"), device=DEVICE)))
             for start, tokens, shift in [(0, 33, 0), (1, 7, 0), (16, 16, 1), (40, 5, 0), (45, 5, 0), (50, 5, 3),
-                                         (55, 5, 3), (64, 1, 0), (65, 1, 0), (66, 1, 1), (67, 1, 1)]:
-                key_states = wide[:, :, :tokens, shift:shift + 64]  # shift 1 or 3: not 16-byte aligned
-                value_states = wide[:, :, tokens:2 * tokens, :64]
-                device_start = start >= 64
-                start_arg = torch.tensor([start], device=DEVICE) if device_start else start
-                before = launcher.launches
+                                         (55, 5, 3), (64, 1, 0), (65, 1, 0), (66, 1, 1), (67, 1, 2)]:
+                key_states = wide[:, :, :tokens, shift:shift + 64]  # shift 1, 2 or 3: not 16-byte aligned
+                value_states = wide[:, :, tokens:2 * tokens, 8 - shift:72 - shift]
+                start_arg = (torch.tensor([start], device=DEVICE, dtype=torch.int32 if start % 2 else torch.int64)
+                             if start >= 64 else start)
                 ref.quantize_append(key_states, value_states, *storages[0], start_arg)
-                for _ in range(2):  # the second call has the first's specialisation
-                    OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], start_arg)
-                assert launcher.launches > before, "a repeated call did not launch directly"
+                for repeat in range(2):  # the second call has the first's specialisation
+                    before = launcher.launches, launcher.kernel.calls
+                    module.quantize_append(key_states, value_states, *storages[1], start_arg)
+                    direct, jit = launcher.launches - before[0], launcher.kernel.calls - before[1]
+                    assert direct + jit == 1 and (direct == 1 or not repeat)
                 for expected, got in zip(storages[0], storages[1]):
                     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)

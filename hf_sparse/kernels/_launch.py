@@ -2,28 +2,39 @@
 
 ``kernel[grid](*args, **constexprs)`` binds the arguments, works out what the compiled kernel is specialised on
 (each tensor's dtype and whether its address is a multiple of 16; each integer's type, whether it is 1 and whether
-it is a multiple of 16), builds a cache key from that and the options, and then launches. Over 30 layers of a
-prompt of a few thousand tokens, which is bound by the host's time, that binding is most of a launch's cost
-(docs/features.md, "The 8K gap is the host's"). :class:`Launcher` keeps each compiled kernel under the same facts,
-read from the arguments in Python, and launches it directly (``CompiledKernel[grid](*all parameters)``) when a call
-has the facts of an earlier one. A call with any other facts goes through ``kernel[grid]``, which compiles where
-needed; so does every call where the direct launch does not apply:
+it is a multiple of 16), builds a cache key from that, the constexprs and the options, and then launches. A prompt
+of a few thousand tokens is bound by the host's time (docs/features.md, "The 8K gap is the host's"), and for the
+int8 cache's write that binding costs 4-8 us of a launch's 29-38 us on an H200 (docs/features.md, "The direct
+launch"). :class:`Launcher` keeps each compiled kernel under the same facts, read from the arguments in Python, and
+launches it directly (``CompiledKernel[grid](*all parameters)``) when a call has the facts of an earlier one. A call
+with other facts goes through ``kernel[grid]``, which compiles where needed; so does every call where the direct
+launch does not apply:
 
 * under Triton's interpreter (``TRITON_INTERPRET=1``: no compiled kernel comes back), on ROCm (whose backend
-  specialises tensors by its own rules), or when ``HF_SPARSE_DIRECT_LAUNCH=0``;
-* with an argument other than a tensor or an integer in int32's range (these are specialised otherwise);
+  specialises tensors by its own rules), or while ``HF_SPARSE_DIRECT_LAUNCH=0`` (both read at each call);
+* with a runtime argument other than a tensor or an integer in int32's range (specialised otherwise), or an option
+  or constexpr that cannot be hashed;
 * when the kernel has pre-run hooks, or once a direct launch has raised ``TypeError`` (a Triton release whose
-  compiled kernels take their parameters otherwise): that call and all later ones take Triton's own path.
+  compiled kernels take their parameters otherwise; logged once): that call and all later ones take Triton's path.
 
-The key holds at least everything Triton's own key holds for such arguments (it may split one of Triton's
-specialisations in two, never merge two), and the device, since a compiled kernel is loaded per device.
+The key holds, for runtime arguments of those kinds, at least everything Triton's own key holds: the facts above,
+each constexpr's and option's name, type and value, Triton's debug and instrumentation settings, and the device
+(a compiled kernel is loaded per device). It may split one of Triton's specialisations in two, never merge two,
+provided the runtime arguments come first and the constexprs last, by name, as the kernel declares them: a kernel
+is kept only after that is checked against its parameters.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
+from triton import knobs
+
+from ._common import interpreting
+
+logger = logging.getLogger("hf_sparse")
 
 #: int32's range: integers outside it are specialised as int64 / uint64 (left to Triton's own path).
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -44,41 +55,60 @@ def specialisation(args: tuple) -> tuple | None:
     return tuple(key)
 
 
-def _enabled() -> bool:
-    return (os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_SPARSE_DIRECT_LAUNCH", "1") != "0"
-            and torch.version.hip is None)
+def _tritons_settings() -> tuple:
+    """Triton's settings that its JIT adds to a kernel's key (debug, instrumentation)."""
+    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
+
+def _declared_order(kernel: Any, runtime: int, constexprs: dict[str, Any]) -> bool:
+    """Whether ``kernel`` declares ``runtime`` runtime parameters followed by exactly ``constexprs``, in order."""
+    params = getattr(kernel, "params", None)
+    names = [getattr(param, "name", None) for param in params or ()]
+    return (params is not None and names[runtime:] == list(constexprs)
+            and [bool(getattr(param, "is_constexpr", None)) for param in params] == [False] * runtime
+            + [True] * len(constexprs))
 
 
 class Launcher:
     """Launches of one ``@triton.jit`` kernel whose runtime arguments come first and constexprs last, in its
-    parameter order (see the module's description). ``launches`` counts the direct launches (tests read it)."""
+    parameter order (see the module's description). ``launches`` counts the direct launches (tests read it).
+    ``direct=False`` makes every launch take Triton's path."""
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, direct: bool = True) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, Any] = {}
-        self.direct = _enabled()
+        self.direct = direct
         self.launches = 0
+
+    def _on(self) -> bool:
+        return (self.direct and os.environ.get("HF_SPARSE_DIRECT_LAUNCH", "1") != "0" and not interpreting()
+                and torch.version.hip is None and not getattr(self.kernel, "pre_run_hooks", None))
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options: Any) -> None:
         """``kernel[grid](*args, **constexprs, **options)``, directly to the kernel compiled for an earlier call with
         the same specialisation where that applies."""
         key = None
-        if self.direct and not getattr(self.kernel, "pre_run_hooks", None):
+        if self._on():
             facts = specialisation(args)
             if facts is not None:
                 values = tuple(constexprs.values())
-                key = (facts, values, tuple(options.items()), torch.cuda.current_device())
-                compiled = self.compiled.get(key)
+                key = (facts, tuple(constexprs), values, tuple(map(type, values)), tuple(options.items()),
+                       tuple(map(type, options.values())), _tritons_settings(), torch.cuda.current_device())
+                try:
+                    compiled = self.compiled.get(key)
+                except TypeError:  # an unhashable option or constexpr
+                    compiled = key = None
                 if compiled is not None:
                     try:
                         compiled[(*grid, 1, 1)[:3]](*args, *values)  # (a compiled kernel takes all three axes)
-                    except TypeError:  # a release whose compiled kernels take other arguments: nothing launched
+                    except TypeError as error:  # a release whose kernels take other arguments: nothing launched
                         self.direct, self.compiled = False, {}
+                        logger.warning("hf_sparse: launching %s's compiled kernel directly failed (%s); its "
+                                       "launches go through Triton's JIT from now on", self.kernel, error)
                     else:
                         self.launches += 1
                         return
         compiled = self.kernel[grid](*args, **constexprs, **options)
-        names = list(getattr(self.kernel, "arg_names", ()))
         if (key is not None and self.direct and hasattr(compiled, "function") and hasattr(compiled, "__getitem__")
-                and names == [*names[:len(args)], *constexprs]):
+                and _declared_order(self.kernel, len(args), constexprs)):
             self.compiled[key] = compiled
