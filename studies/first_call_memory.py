@@ -6,15 +6,18 @@ runs dense, time do not depend on the weights; ``--model smollm2`` takes the tra
 * ``breakdown``: each method's first generate() (3 new tokens) under ``torch.cuda.memory._record_memory_history``;
   the allocations alive at the moment the most memory was live, summed per allocating site (the innermost
   hf_sparse / transformers frames), beside ``max_memory_allocated`` and what was allocated before the call (the
-  weights, and cuBLAS's workspace once a matmul ran); and the memory allocated in that call when the prefill's last
-  decoder layer calls its attention's output projection: the whole cache is written, and what else is alive there (the hidden
-  states the model and the layer hold, the attention's query, key, value and output) is transformers' own, so no
-  feed-forward or attention of a method's can take its peak below it.
+  weights, and cuBLAS's workspace once a matmul ran); and the memory allocated in that call when the prefill's
+  last decoder layer calls its attention's output projection. The whole cache is written by then; for SmolLM2
+  (Llama's decoder layer) what else is alive there is transformers' own (the hidden states the model and the layer
+  hold, the attention's query, key and value) and the attention's output, which any attention makes
+  (docs/features.md lists them), so a method's peak cannot go below it by changing its feed-forward blocks or its
+  attention.
 * ``prefill-chunks``: PLAS with and without the int8 K/V cache, with and without ``generate(prefill_chunk_size=N)``
   (transformers' chunked prefill): the first call's peak against sdpa's, and TTFT (median of ``--rounds``
   rounds, every variant once per round in a rotating order) against bf16 PLAS's.
 
-Quoted in docs/benchmarks.md ("First call"). From the repository root, on a GPU:
+Quoted in docs/benchmarks.md ("First call") and docs/features.md ("int8's first call at 8K has a floor above
+0.75x"). From the repository root, on a GPU:
 
     python studies/first_call_memory.py breakdown --length 8192 --methods sdpa plas plas-int8
     python studies/first_call_memory.py prefill-chunks --lengths 8192 16384 32768
@@ -131,6 +134,8 @@ def breakdown(args: argparse.Namespace) -> None:
                 timed_generate(loaded.model, ids, 3)
         finally:
             handle.remove()
+        if not held:
+            raise SystemExit(f"{method}'s first call never reached the last layer's output projection")
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         traced, alive = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])

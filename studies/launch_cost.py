@@ -4,7 +4,8 @@ compiled kernel launched directly, :mod:`hf_sparse.kernels._launch`, and through
 empty two-argument Triton kernel, one in-place torch operator and one ``torch.zeros``.
 
 Each call is repeated back to back without synchronising, so with a few query tokens the GPU idles and the time per
-call is the host's. Quoted in docs/features.md ("The 8K gap is the host's"). From the repository root, on a GPU:
+call is the host's. Quoted in docs/features.md ("The 8K gap is the host's", "The direct launch"). From the
+repository root, on a GPU:
 
     python studies/launch_cost.py [--tokens 16 8192] [--calls 300]
 """
@@ -63,28 +64,29 @@ def main() -> None:
         key_scales = torch.zeros(1, heads, capacity, device=device)
         value_scales = torch.zeros_like(key_scales)
         append = (keys, values, key_storage, value_storage, key_scales, value_scales, 0)
+        # name: (call, HF_SPARSE_DIRECT_LAUNCH while it is timed: "1" for the direct row, which is checked to
+        # have launched directly, "0" for the JIT's, None to leave the caller's setting)
         calls = {
-            "kernels.quantize_append (checks, device guard, launch)": lambda: kernels.quantize_append(*append),
-            "its Triton launch alone (direct)": lambda: op.quantize_append(*append),
-            "its Triton launch alone, through Triton's JIT (HF_SPARSE_DIRECT_LAUNCH=0)": lambda: op.quantize_append(
-                *append),
-            "its input checks alone": lambda: check_append_inputs(*append),
-            "an empty Triton kernel, two arguments": lambda: empty_kernel[(1,)](scratch, 1),
-            "torch add_": lambda: scratch.add_(1),
-            "torch.zeros of a scale storage": lambda: torch.zeros(1, heads, capacity, device=device),
+            "kernels.quantize_append (checks, device guard, launch)": (lambda: kernels.quantize_append(*append), None),
+            "its Triton launch alone (direct)": (lambda: op.quantize_append(*append), "1"),
+            "its Triton launch alone, through Triton's JIT": (lambda: op.quantize_append(*append), "0"),
+            "its input checks alone": (lambda: check_append_inputs(*append), None),
+            "an empty Triton kernel, two arguments": (lambda: empty_kernel[(1,)](scratch, 1), None),
+            "torch add_": (lambda: scratch.add_(1), None),
+            "torch.zeros of a scale storage": (lambda: torch.zeros(1, heads, capacity, device=device), None),
         }
-        for name, call in calls.items():
+        for name, (call, setting) in calls.items():
             previous, direct = os.environ.get("HF_SPARSE_DIRECT_LAUNCH"), op._LAUNCH.launches
-            os.environ["HF_SPARSE_DIRECT_LAUNCH"] = "0" if "HF_SPARSE_DIRECT_LAUNCH=0" in name else "1"
+            if setting is not None:
+                os.environ["HF_SPARSE_DIRECT_LAUNCH"] = setting
             try:
                 print(f"| {tokens} | {name} | {host_us(call, args.calls):.1f} |")
             finally:
-                os.environ.pop("HF_SPARSE_DIRECT_LAUNCH")
+                os.environ.pop("HF_SPARSE_DIRECT_LAUNCH", None)
                 if previous is not None:
                     os.environ["HF_SPARSE_DIRECT_LAUNCH"] = previous
-            if "(direct)" in name and op._LAUNCH.launches == direct:
+            if setting == "1" and op._LAUNCH.launches == direct:
                 raise SystemExit("the direct launch did not run: the row above timed Triton's JIT")
-
 
 if __name__ == "__main__":
     main()

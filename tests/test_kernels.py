@@ -1194,9 +1194,9 @@ def test_quantize_append_whole_long_prompt():
 @pytest.mark.skipif(os.environ.get("HF_SPARSE_DIRECT_LAUNCH") == "0", reason="HF_SPARSE_DIRECT_LAUNCH=0")
 def test_quantize_append_direct_launches_equal_the_reference(monkeypatch):
     """Each call launches once, through Triton's JIT or directly (:class:`hf_sparse.kernels._launch.Launcher`), and
-    directly when the call before had its specialisation, and writes what the reference writes: starts that are 1, multiples of 16
-    and neither, keys and values at addresses that are and are not multiples of 16, bf16 and float32, token-major and
-    blocked values, a host and a device start (int64 and int32)."""
+    directly when the call before had its specialisation, and writes what the reference writes: starts that are 1,
+    multiples of 16 and neither, keys and values at addresses that are and are not multiples of 16, bf16 and float32,
+    token-major and blocked values, a host and a device start (int64 and int32)."""
     from hf_sparse.kernels._launch import Launcher
 
     class Counted:  # the JIT function, counting the launches that go through it

@@ -126,13 +126,16 @@ def test_unhashable_options_and_undeclared_orders_take_tritons_path(launcher):
 
 
 def test_off_where_it_does_not_apply(launcher, environment):
-    """Pre-run hooks, the interpreter, ROCm and HF_SPARSE_DIRECT_LAUNCH=0 (read at each call) leave every call to
-    Triton's JIT."""
+    """Pre-run hooks, Triton's stages-inspection hook, the interpreter, ROCm and HF_SPARSE_DIRECT_LAUNCH=0 (read at
+    each call) leave every call to Triton's JIT."""
     x = torch.zeros(64)
     launcher((1,), (x, 32), dict(A=4, B=True))
     launcher.kernel.pre_run_hooks.append(lambda *args, **kwargs: None)
     launcher((1,), (x, 32), dict(A=4, B=True))
     launcher.kernel.pre_run_hooks.clear()
+    environment.setattr(_launch.knobs.runtime, "add_stages_inspection_hook", lambda: ("key", "hash"), raising=False)
+    launcher((1,), (x, 32), dict(A=4, B=True))
+    environment.setattr(_launch.knobs.runtime, "add_stages_inspection_hook", None, raising=False)
     for variable, value in [("TRITON_INTERPRET", "1"), ("HF_SPARSE_DIRECT_LAUNCH", "0")]:
         environment.setenv(variable, value)
         launcher((1,), (x, 32), dict(A=4, B=True))
@@ -140,10 +143,27 @@ def test_off_where_it_does_not_apply(launcher, environment):
     environment.setattr(torch.version, "hip", "6.0")
     launcher((1,), (x, 32), dict(A=4, B=True))
     environment.setattr(torch.version, "hip", None)
-    assert paths(launcher) == ["jit"] * 5
+    assert paths(launcher) == ["jit"] * 6
     launcher((1,), (x, 32), dict(A=4, B=True))
     assert paths(launcher)[-1] == "direct"
-    assert paths(_launch.Launcher(Jit(), direct=False)) == [] and not _launch.Launcher(Jit(), direct=False)._on()
+
+
+def test_quantize_appends_launch_matches_its_kernels_parameters(monkeypatch):
+    """The int8 cache's write passes its kernel's runtime parameters, then its constexprs by name, in the kernel's
+    order (else the launcher would keep no compiled kernel and never launch directly)."""
+    import importlib
+
+    module = importlib.import_module("hf_sparse.kernels.quantize_append")
+    calls = []
+    monkeypatch.setattr(module, "_LAUNCH", lambda grid, args, constexprs, **options: calls.append((args, constexprs)))
+    states, scales = torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 32)
+    for values, start in [(torch.zeros(1, 2, 32, 16, dtype=torch.int8), 4),
+                          (torch.zeros(1, 2, 2, 16, 16, dtype=torch.int8), torch.tensor([4]))]:
+        module.quantize_append(states, states, torch.zeros(1, 2, 32, 16, dtype=torch.int8), values, scales, scales,
+                               start)
+    for args, constexprs in calls:
+        assert _launch._declared_order(module._quantize_append_kernel, len(args), constexprs)
+    assert len(calls) == 2
 
 
 def test_a_release_whose_kernels_take_other_arguments_falls_back_for_good(environment, caplog):

@@ -4,7 +4,7 @@
 (each tensor's dtype and whether its address is a multiple of 16; each integer's type, whether it is 1 and whether
 it is a multiple of 16), builds a cache key from that, the constexprs and the options, and then launches. A prompt
 of a few thousand tokens is bound by the host's time (docs/features.md, "The 8K gap is the host's"), and for the
-int8 cache's write that binding costs 4-8 us of a launch's 29-38 us on an H200 (docs/features.md, "The direct
+int8 cache's write that binding costs 3-8 us of a launch's 29-38 us on two H200s (docs/features.md, "The direct
 launch"). :class:`Launcher` keeps each compiled kernel under the same facts, read from the arguments in Python, and
 launches it directly (``CompiledKernel[grid](*all parameters)``) when a call has the facts of an earlier one. A call
 with other facts goes through ``kernel[grid]``, which compiles where needed; so does every call where the direct
@@ -14,14 +14,17 @@ launch does not apply:
   specialises tensors by its own rules), or while ``HF_SPARSE_DIRECT_LAUNCH=0`` (both read at each call);
 * with a runtime argument other than a tensor or an integer in int32's range (specialised otherwise), or an option
   or constexpr that cannot be hashed;
-* when the kernel has pre-run hooks, or once a direct launch has raised ``TypeError`` (a Triton release whose
-  compiled kernels take their parameters otherwise; logged once): that call and all later ones take Triton's path.
+* when the kernel has pre-run hooks or Triton has a stages-inspection hook, or once a direct launch has raised
+  ``TypeError`` (a Triton release whose compiled kernels take their parameters otherwise; logged once): that call
+  and all later ones take Triton's path. (A launch hook of Triton's that raises ``TypeError`` after its kernel ran
+  would have that call launched again, through the JIT.)
 
-The key holds, for runtime arguments of those kinds, at least everything Triton's own key holds: the facts above,
-each constexpr's and option's name, type and value, Triton's debug and instrumentation settings, and the device
-(a compiled kernel is loaded per device). It may split one of Triton's specialisations in two, never merge two,
-provided the runtime arguments come first and the constexprs last, by name, as the kernel declares them: a kernel
-is kept only after that is checked against its parameters.
+The key holds the facts above, each constexpr's and option's name, type and value, the settings Triton's JIT adds to
+its own key (debug, instrumentation, the floating-point sanitiser where the release has one) and the device (a
+compiled kernel is loaded per device): for runtime arguments of those kinds, what Triton's 3.6-3.9 key holds. It may
+split one of Triton's specialisations in two, never merge two, provided the runtime arguments come first and the
+constexprs last, by name, as the kernel declares them: a kernel is kept only after that is checked against its
+parameters. Triton's check that the kernel's global constants have not changed since it compiled is not repeated.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from triton import knobs
 
 from ._common import interpreting
 
-logger = logging.getLogger("hf_sparse")
+logger = logging.getLogger(__name__)
 
 #: int32's range: integers outside it are specialised as int64 / uint64 (left to Triton's own path).
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -56,33 +59,34 @@ def specialisation(args: tuple) -> tuple | None:
 
 
 def _tritons_settings() -> tuple:
-    """Triton's settings that its JIT adds to a kernel's key (debug, instrumentation)."""
-    return knobs.runtime.debug, knobs.compilation.instrumentation_mode
+    """The settings Triton's JIT adds to a kernel's key (debug, instrumentation, the floating-point sanitiser)."""
+    return (knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
 
 
 def _declared_order(kernel: Any, runtime: int, constexprs: dict[str, Any]) -> bool:
     """Whether ``kernel`` declares ``runtime`` runtime parameters followed by exactly ``constexprs``, in order."""
     params = getattr(kernel, "params", None)
     names = [getattr(param, "name", None) for param in params or ()]
-    return (params is not None and names[runtime:] == list(constexprs)
-            and [bool(getattr(param, "is_constexpr", None)) for param in params] == [False] * runtime
-            + [True] * len(constexprs))
+    kinds = [bool(getattr(param, "is_constexpr", None)) for param in params or ()]
+    return params is not None and names[runtime:] == list(constexprs) and kinds == (
+        [False] * runtime + [True] * len(constexprs))
 
 
 class Launcher:
     """Launches of one ``@triton.jit`` kernel whose runtime arguments come first and constexprs last, in its
-    parameter order (see the module's description). ``launches`` counts the direct launches (tests read it).
-    ``direct=False`` makes every launch take Triton's path."""
+    parameter order (see the module's description). ``launches`` counts the direct launches (tests read it)."""
 
-    def __init__(self, kernel: Any, direct: bool = True) -> None:
+    def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, Any] = {}
-        self.direct = direct
+        self.direct = True
         self.launches = 0
 
     def _on(self) -> bool:
         return (self.direct and os.environ.get("HF_SPARSE_DIRECT_LAUNCH", "1") != "0" and not interpreting()
-                and torch.version.hip is None and not getattr(self.kernel, "pre_run_hooks", None))
+                and torch.version.hip is None and not getattr(self.kernel, "pre_run_hooks", None)
+                and getattr(knobs.runtime, "add_stages_inspection_hook", None) is None)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options: Any) -> None:
         """``kernel[grid](*args, **constexprs, **options)``, directly to the kernel compiled for an earlier call with

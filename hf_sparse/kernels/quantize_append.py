@@ -67,6 +67,10 @@ def _quantize_append_kernel(
     tl.store(V_SCALES + row + slot, v_scale)
 
 
+#: The kernel's launches (:class:`hf_sparse.kernels._launch.Launcher`).
+_LAUNCH = Launcher(_quantize_append_kernel)
+
+
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                     value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
                     start: int | torch.Tensor) -> None:
@@ -91,7 +95,3 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
              DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start),
         num_warps=1,
     )
-
-
-#: The kernel's launches (:class:`hf_sparse.kernels._launch.Launcher`).
-_LAUNCH = Launcher(_quantize_append_kernel)
