@@ -197,7 +197,9 @@ def test_int8_cache_with_other_blocks_summarises_dequantized_keys(backend, monke
     assert rec.density("prefill") < 0.95 and rec.density("decode") < 0.95, "selection really was sparse"
     for got, want in zip(rec.records, expected_rec.records, strict=True):
         assert torch.equal(got.selection.indices, want.selection.indices)
-    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
+    # The int8 kernels scale a score or probability column, the float path multiplies dequantised states: sums in
+    # another order. On some CPUs (an AMD EPYC here) 2 of 25,088 logits then differ by 3.2e-5 on the Triton path.
+    torch.testing.assert_close(logits, expected, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", backends())
