@@ -10,17 +10,21 @@ Without gradients (as generate() runs), a gated MLP whose forward is transformer
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Mistral, Qwen, Gemma, ...: the forward's code is compared)
 runs
 
-* with a SiLU gate, over the whole input, its activation and product in place in the gate projection's output (where
-  no forward hook sees that output): the same launches and the same values as its own forward, two such
-  activations alive instead of three. Where its three projections are plain ``torch.nn.Linear`` modules that no
-  hook watches, they are called as ``torch.nn.functional.linear`` on their own weights, as their forward does, but
-  without four module calls (projections and activation): a prompt of a few thousand tokens is bound by the host's
-  time per layer, which this keeps under the block's own forward's;
-* with another gate (or a hooked gate projection), over slices of the tokens (a dense MLP treats every token alone),
+* with a SiLU gate, its activation and product in place in the gate projection's output (where no forward hook
+  sees that output). An input of at most :attr:`Slices.silu_rows` tokens (or any input, where that is None) runs
+  whole: the same launches and the same values as its own forward, two such activations alive instead of three. A
+  longer one runs over slices of at most that many rows of its ``[tokens, hidden]`` view (no copy of the input), all three projections per slice, each slice's
+  output copied into one output tensor: two slice-sized activations alive, each projection a GEMM over the slice's
+  rows (equal to one GEMM over all rows to rounding, which cuBLAS does not promise to keep). Where its three
+  projections are plain ``torch.nn.Linear`` modules that no hook watches, they are called as
+  ``torch.nn.functional.linear`` on their own weights, as their forward does, but without four module calls
+  (projections and activation): a prompt of a few thousand tokens is bound by the host's time per layer, which this
+  keeps under the block's own forward's;
+* with another gate (or a hooked gate projection), over slices of :attr:`Slices.tokens` tokens (a dense MLP treats every token alone),
   each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the down projection taken
   over all of it: one such activation alive, in more, smaller launches.
 
-Other blocks run over slices of the tokens, each slice's output copied into one output tensor (one more write and
+Other blocks run over such slices of the tokens, each slice's output copied into one output tensor (one more write and
 read of the output).
 
 Blocks taken: the child named ``mlp`` / ``feed_forward`` of a module that also holds an attention child, whose
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +47,37 @@ _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 
 
+#: ``prefill_mlp_chunk="auto"``: a SiLU-gated MLP's rows a slice with an int8 K/V cache (the memory-first cache; on
+#: SmolLM2 on an H200 its first call drops to 0.72x sdpa's at 16K and 0.59x at 128K, for 1-3% of TTFT), and other
+#: blocks' tokens a slice (with a cache of the model's dtype a SiLU-gated MLP runs whole: slices cost TTFT where
+#: the prefill runs dense, up to 3% at 8K x 4; docs/features.md, "MLP slices").
+AUTO_INT8_SILU_ROWS = 8192
+AUTO_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class Slices:
+    """How a prefill's feed-forward blocks hold fewer activations (see the module's description). ``silu_rows``: a
+    SiLU-gated MLP over slices of at most this many rows of its ``[tokens, hidden]`` view (None: whole); ``tokens``:
+    other blocks over slices of at most this many tokens (batch x positions)."""
+
+    silu_rows: int | None
+    tokens: int
+
+
+def slices_for(prefill_mlp_chunk: int | str | None, int8_cache: bool) -> Slices | None:
+    """The :class:`Slices` of a method config's ``prefill_mlp_chunk`` (an int: both; ``"auto"``:
+    :data:`AUTO_INT8_SILU_ROWS` rows with ``int8_cache``, else whole, and :data:`AUTO_TOKENS` tokens); None for
+    None (transformers' own forwards)."""
+    if prefill_mlp_chunk is None:
+        return None
+    if prefill_mlp_chunk == "auto":
+        return Slices(AUTO_INT8_SILU_ROWS if int8_cache else None, AUTO_TOKENS)
+    return Slices(int(prefill_mlp_chunk), int(prefill_mlp_chunk))
+
+
 #: Each model's feed-forward blocks as [parent, child name, block, kept], from its last walk (:func:`_walk`); kept:
-#: (chunk_tokens, the block's children, the forward :func:`swap_in` made for them) or None.
+#: (the slices, the block's children, the forward :func:`swap_in` made for them) or None.
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -94,22 +128,47 @@ def _silu_in_place(block: torch.nn.Module) -> bool:
             and not torch.nn.modules.module._global_forward_hooks)
 
 
-def lean_forward(block: torch.nn.Module, chunk_tokens: int, hidden_states: torch.Tensor, *args: Any,
+def _silu_gated(gate: Any, up: Any, down: Any, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with the activation and the product in place in ``gate(x)``'s output."""
+    product = gate(x)
+    torch.nn.functional.silu(product, inplace=True)
+    product.mul_(up(x))
+    return down(product)
+
+
+def _over_rows(forward: Any, hidden_states: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """``forward`` (a token-wise map of ``[..., hidden]`` to ``[..., out]``) over the whole input when ``rows`` is None
+    or it has at most ``rows`` tokens, else over slices of at most ``rows`` rows of its ``[tokens, hidden]`` view, each slice's output
+    copied into one output tensor of the input's leading shape."""
+    tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    if rows is None or tokens <= rows:
+        return forward(hidden_states)
+    flat = hidden_states.reshape(tokens, hidden_states.shape[-1])  # (a view of a contiguous input)
+    output = None
+    for start in range(0, tokens, rows):
+        part = forward(flat[start:start + rows])
+        if output is None:
+            output = part.new_empty(tokens, part.shape[-1])
+        output[start:start + rows] = part
+        del part
+    return output.view(*hidden_states.shape[:-1], output.shape[-1])
+
+
+def lean_forward(block: torch.nn.Module, slices: Slices, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
     """``block``'s forward on a ``[batch, positions, hidden]`` input with fewer activations alive: a SiLU-gated MLP's
-    in place, others over slices of at most ``chunk_tokens`` tokens (``batch x positions``; see the module's
-    description). Other calls (more arguments, another rank, few tokens) and blocks whose output is not a
+    in place (over slices of at most ``slices.silu_rows`` rows of its ``[tokens, hidden]`` view where it has more),
+    others over slices of at most ``slices.tokens`` tokens (``batch x positions``; see the module's description).
+    Other calls (more arguments, another rank, few tokens) and blocks whose output is not a
     ``[batch, positions, ...]`` tensor run their own forward over the whole input."""
     if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         return type(block).forward(block, hidden_states, *args, **kwargs)
     batch, positions = hidden_states.shape[:2]
-    step = max(1, chunk_tokens // max(batch, 1))
+    step = max(1, slices.tokens // max(batch, 1))
     no_grad_gated = gated(type(block)) and not torch.is_grad_enabled()  # (in-place / out= products: no gradient)
     if no_grad_gated and _silu_in_place(block):
-        product = block.gate_proj(hidden_states)
-        torch.nn.functional.silu(product, inplace=True)
-        product.mul_(block.up_proj(hidden_states))
-        return block.down_proj(product)
+        return _over_rows(functools.partial(_silu_gated, block.gate_proj, block.up_proj, block.down_proj),
+                          hidden_states, slices.silu_rows)
     if positions <= step:
         return type(block).forward(block, hidden_states)
     if no_grad_gated:
@@ -154,23 +213,26 @@ def _unwatched(modules: tuple[torch.nn.Module, ...]) -> bool:
                 or any(module._forward_hooks or module._forward_pre_hooks for module in modules))
 
 
-def direct_forward(block: torch.nn.Module, chunk_tokens: int, projections: tuple[torch.nn.Module, ...],
-                   hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def _linear(parameters: dict, x: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.nn.Linear``'s forward from its parameter dict (read at each call: a reassigned weight
+    counts)."""
+    return torch.nn.functional.linear(x, parameters["weight"], parameters.get("bias"))
+
+
+def direct_forward(block: torch.nn.Module, slices: Slices, projections: tuple[torch.nn.Module, ...],
+                   silu_gated: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """A SiLU-gated MLP's forward with its plain projections (:func:`_plain_projections`) called as
-    ``torch.nn.functional.linear`` and its gate in place: :func:`lean_forward`'s ops and values, without the module
-    calls. Calls with gradients or more arguments, and projections a hook watches, go to :func:`lean_forward`."""
-    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or torch.is_grad_enabled()
-            or not _unwatched(projections)):
-        return lean_forward(block, chunk_tokens, hidden_states, *args, **kwargs)
-    gate, up, down = (linear._parameters for linear in projections)
-    product = torch.nn.functional.linear(hidden_states, gate["weight"], gate.get("bias"))
-    torch.nn.functional.silu(product, inplace=True)
-    product.mul_(torch.nn.functional.linear(hidden_states, up["weight"], up.get("bias")))
-    return torch.nn.functional.linear(product, down["weight"], down.get("bias"))
+    ``torch.nn.functional.linear`` (``silu_gated``: :func:`_silu_gated` over :func:`_linear` of each) and its gate in
+    place: :func:`lean_forward`'s ops and values, without the module calls. Calls with gradients or more arguments,
+    and projections a hook watches, go to :func:`lean_forward`."""
+    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
+            or torch.is_grad_enabled() or not _unwatched(projections)):
+        return lean_forward(block, slices, hidden_states, *args, **kwargs)
+    return _over_rows(silu_gated, hidden_states, slices.silu_rows)
 
 
-def swap_in(model: torch.nn.Module, chunk_tokens: int) -> list[torch.nn.Module]:
-    """Make ``model``'s :func:`feed_forward_blocks` run :func:`lean_forward` (slices of ``chunk_tokens`` tokens), or
+def swap_in(model: torch.nn.Module, slices: Slices) -> list[torch.nn.Module]:
+    """Make ``model``'s :func:`feed_forward_blocks` run :func:`lean_forward` (with ``slices``), or
     :func:`direct_forward` where it applies, until :func:`swap_out`; the blocks swapped. Each block's forward is
     made once and kept for the next prefill while the block's children are the same objects, none with a forward
     of its own (a prompt of a few thousand tokens is bound by the host's time)."""
@@ -180,12 +242,13 @@ def swap_in(model: torch.nn.Module, chunk_tokens: int) -> list[torch.nn.Module]:
         if "forward" in block.__dict__:
             continue
         children = tuple(block._modules.values())
-        if (kept is None or kept[0] != chunk_tokens or kept[1] != children
+        if (kept is None or kept[0] != slices or kept[1] != children
                 or any("forward" in child.__dict__ for child in children)):
             projections = _plain_projections(block)
-            forward = (functools.partial(lean_forward, block, chunk_tokens) if projections is None
-                       else functools.partial(direct_forward, block, chunk_tokens, projections))
-            kept = entry[3] = (chunk_tokens, children, forward)
+            forward = (functools.partial(lean_forward, block, slices) if projections is None
+                       else functools.partial(direct_forward, block, slices, projections, functools.partial(
+                           _silu_gated, *(functools.partial(_linear, linear._parameters) for linear in projections))))
+            kept = entry[3] = (slices, children, forward)
         block.__dict__["forward"] = kept[2]
         blocks.append(block)
     return blocks

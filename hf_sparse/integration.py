@@ -184,11 +184,11 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
 _READ_MORE = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
-def _watch_prefill(model: PreTrainedModel, trim: bool, feed_forward_chunk: int | None) -> list[Any]:
+def _watch_prefill(model: PreTrainedModel, trim: bool, slices: feed_forward.Slices | None) -> list[Any]:
     """Hooks around ``model``'s forwards, their handles. While a forward runs: with ``trim``,
     :data:`~hf_sparse.attention.LAST_LAYER_ROWS` holds the forward's ``logits_to_keep`` (a positive int) where the
     call asks for no hidden states, attentions or router logits (what would read the last layer's other rows); with
-    ``feed_forward_chunk``, its feed-forward blocks run through :func:`hf_sparse.feed_forward.lean_forward`. The
+    ``slices``, its feed-forward blocks run through :func:`hf_sparse.feed_forward.lean_forward`. The
     hooks remove themselves at the first forward of no more positions than it keeps (or of one position): a decode
     step, the prompt is done, and the steps' time is spared the hooks."""
     state: list[tuple[contextvars.Token | None, list[torch.nn.Module]]] = []
@@ -211,8 +211,8 @@ def _watch_prefill(model: PreTrainedModel, trim: bool, feed_forward_chunk: int |
                      | {name: kwargs[name] for name in _READ_MORE if kwargs.get(name) is not None})
             read = ReadRows(keep) if keep is not None and not args and not any(asked.values()) else None
             token = LAST_LAYER_ROWS.set(read)
-        lean = feed_forward_chunk is not None and positions is not None
-        state.append((token, feed_forward.swap_in(model, feed_forward_chunk) if lean else []))
+        lean = slices is not None and positions is not None
+        state.append((token, feed_forward.swap_in(model, slices) if lean else []))
 
     def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if state:
@@ -236,7 +236,8 @@ def _generate(self, *args: Any, **kwargs: Any) -> Any:
     handles = []
     if implementation in METHODS:
         config = method_config(self.config, implementation)
-        handles = _watch_prefill(self, implementation in TRIMMED, config.prefill_mlp_chunk)
+        slices = feed_forward.slices_for(config.prefill_mlp_chunk, getattr(config, "kv_cache_dtype", None) == "int8")
+        handles = _watch_prefill(self, implementation in TRIMMED, slices)
     try:
         return _ORIGINAL["generate"](self, *args, **kwargs)
     finally:

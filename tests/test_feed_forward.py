@@ -8,7 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, MixtralConfig
 
 import hf_sparse
-from hf_sparse.feed_forward import direct_forward, feed_forward_blocks, gated, lean_forward, swap_in, swap_out
+from hf_sparse import feed_forward
+from hf_sparse.feed_forward import (Slices, direct_forward, feed_forward_blocks, gated, lean_forward, slices_for,
+                                     swap_in, swap_out)
 
 from conftest import build, tiny_config
 
@@ -23,21 +25,22 @@ def _generate(model, make, prompt, mask, chunk, rows):
 @pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act):
-    """In a prefill a SiLU-gated MLP runs over the whole input with its gate in place (the activation module is not
-    called; logits bit-equal to its own forward's), also under ``dense_below`` (where the logits stay bit-equal to
-    sdpa's); a GELU-gated one (or a SiLU one whose gate projection a hook watches) takes its gate and up projections
-    over slices of at most ``prefill_mlp_chunk`` tokens (batch x positions) and its down projection over the whole
-    input (the tokens and logits of whole-input MLPs). Every decode step runs each MLP's own forward; nothing stays
-    swapped or hooked after."""
+    """In a prefill a SiLU-gated MLP runs with its gate in place (the activation module is not called), over slices
+    of at most ``prefill_mlp_chunk`` rows of its ``[tokens, hidden]`` view where the prefill has more tokens (the
+    tokens and logits of whole-input MLPs), over the whole input otherwise (logits bit-equal to its own forward's),
+    also under ``dense_below`` (where the logits stay bit-equal to sdpa's); a GELU-gated one (or a SiLU one whose
+    gate projection a hook watches) takes its gate and up projections over slices of at most ``prefill_mlp_chunk``
+    tokens (batch x positions) and its down projection over the whole input (the tokens and logits of whole-input
+    MLPs). Every decode step runs each MLP's own forward; nothing stays swapped or hooked after."""
     config = tiny_config("llama", layers=3)
     config.hidden_act = act
     model = build(config, "sdpa")
     make = {"plas": hf_sparse.PLASConfig, "xattn": hf_sparse.XAttnConfig, "star": hf_sparse.StarConfig}[method]
     rows, down, activations = [], [], []
     for layer in model.model.layers:
-        layer.mlp.up_proj.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:2]))
-        layer.mlp.down_proj.register_forward_hook(lambda module, args, output: down.append(args[0].shape[:2]))
-        layer.mlp.act_fn.register_forward_hook(lambda module, args, output: activations.append(args[0].shape[:2]))
+        layer.mlp.up_proj.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1]))
+        layer.mlp.down_proj.register_forward_hook(lambda module, args, output: down.append(args[0].shape[:-1]))
+        layer.mlp.act_fn.register_forward_hook(lambda module, args, output: activations.append(args[0].shape[:-1]))
     ids = torch.randint(1, 128, (2, 80), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0  # a left-padded row
@@ -48,23 +51,24 @@ def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(meth
         down.clear()
         activations.clear()
         lean = _generate(model, make, ids, mask, 48, rows)  # 48 tokens over a batch of 2: 24 positions a slice
-        assert down[:layers] == [(2, 80)] * layers
-        if act == "silu":
-            prefill = layers
-            assert rows[:prefill] == [(2, 80)] * layers and activations[:1] == [(2, 1)]
-            assert torch.equal(whole.sequences, lean.sequences)
-            assert all(torch.equal(a, b) for a, b in zip(whole.logits, lean.logits))
+        if act == "silu":  # 160 rows: slices of 48
+            prefill = layers * 4
+            assert rows[:prefill] == down[:prefill] == [(48,), (48,), (48,), (16,)] * layers
+            assert activations[:1] == [(2, 1)]
         else:
             prefill = layers * 4
             assert rows[:prefill] == [(2, 24), (2, 24), (2, 24), (2, 8)] * layers
-            assert torch.equal(whole.sequences, lean.sequences)
-            for a, b in zip(whole.logits, lean.logits):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert down[:layers] == [(2, 80)] * layers
+        assert torch.equal(whole.sequences, lean.sequences)
+        for a, b in zip(whole.logits, lean.logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert rows[prefill:] == [(2, 1)] * (len(rows) - prefill) and len(rows) > prefill
-        if act == "silu":  # in place whatever the slice size
+        if act == "silu":  # at most prefill_mlp_chunk tokens: whole, in place, bit-equal
             activations.clear()
-            assert torch.equal(_generate(model, make, ids, mask, 10**6, rows).sequences, whole.sequences)
+            kept = _generate(model, make, ids, mask, 160, rows)
             assert rows[:layers] == [(2, 80)] * layers and activations[:1] == [(2, 1)]
+            assert torch.equal(kept.sequences, whole.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(whole.logits, kept.logits))
         own = _generate(model, make, ids[:, :30], mask[:, :30], None, rows)  # under dense_below: dense
         activations.clear()
         short = _generate(model, make, ids[:, :30], mask[:, :30], 10**6, rows)
@@ -118,8 +122,8 @@ def test_gated_mlps_are_told_by_their_forward_code():
     for block in (LlamaMLP(tiny_config("llama", q_heads=2)), Renamed(tiny_config("llama", q_heads=2)),
                   GPT2MLP(64, GPT2Config(n_embd=32)).eval()):
         with torch.no_grad():
-            torch.testing.assert_close(lean_forward(block, 10, x), block(x), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(lean_forward(block, 10, x), block(x), rtol=1e-6, atol=1e-6)  # with gradients
+            torch.testing.assert_close(lean_forward(block, Slices(10, 10), x), block(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lean_forward(block, Slices(10, 10), x), block(x), rtol=1e-6, atol=1e-6)  # with gradients
 
 
 class _Ops(TorchDispatchMode):
@@ -136,9 +140,11 @@ class _Ops(TorchDispatchMode):
 
 
 def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
-    """The SiLU-gated path runs the ops of the block's own forward, in the same order and shapes, but for the
-    activation and the product, which write into the gate projection's output (silu_, mul_): two fewer
-    ``[tokens, intermediate_size]`` tensors, the same values."""
+    """On at most ``chunk_tokens`` tokens the SiLU-gated path runs the ops of the block's own forward, in the same
+    order and shapes, but for the activation and the product, which write into the gate projection's output (silu_,
+    mul_): two fewer ``[tokens, intermediate_size]`` tensors, the same values. On more it runs them over slices of
+    that many rows of the ``[tokens, hidden]`` view (no copy of the input), each slice's output copied into one
+    output: the same values to rounding."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     block = LlamaMLP(tiny_config("llama", q_heads=2)).eval()
@@ -147,16 +153,24 @@ def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
         with _Ops() as own:
             expected = block(x)
         with _Ops() as lean:
-            got = lean_forward(block, 16, x)
+            got = lean_forward(block, Slices(100, 100), x)
+        with _Ops() as sliced:
+            got_sliced = lean_forward(block, Slices(16, 16), x)
     in_place = {"silu": "silu_", "mul": "mul_"}
     assert lean.ops == [(in_place.get(name, name), shape) for name, shape in own.ops]
     assert ("silu", (1, 100, 64)) in own.ops and ("mul", (1, 100, 64)) in own.ops
     assert torch.equal(got, expected)
+    slices = [16] * 6 + [4]
+    assert [shape for name, shape in sliced.ops if name == "silu_"] == [(rows, 64) for rows in slices]
+    assert [shape for name, shape in sliced.ops if name == "copy_"] == [(rows, 32) for rows in slices]
+    assert not any(name in ("clone", "contiguous") or shape == (100, 64) for name, shape in sliced.ops)
+    assert got_sliced.shape == expected.shape
+    torch.testing.assert_close(got_sliced, expected, rtol=1e-6, atol=1e-6)
     seen = []
     block.gate_proj.register_forward_hook(lambda module, args, output: seen.append(output))
     with torch.no_grad():
         with _Ops() as hooked:
-            got = lean_forward(block, 16, x)
+            got = lean_forward(block, Slices(16, 16), x)
     assert ("silu_", (1, 100, 64)) not in hooked.ops and len(seen) == 7  # sliced: the hook's outputs untouched
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat(seen, dim=1), block.gate_proj(x), rtol=1e-6, atol=1e-6)
@@ -176,18 +190,26 @@ def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeyp
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(self) or linear_forward(self, x))
     with torch.no_grad():
         expected = block(x)
+        with _Ops() as whole_lean:
+            assert torch.equal(lean_forward(block, Slices(74, 74), x), expected)  # 74 tokens: whole
         with _Ops() as lean:
-            assert torch.equal(lean_forward(block, 16, x), expected)
-        blocks = swap_in(model, 16)
-        assert block.forward.func is direct_forward
+            sliced = lean_forward(block, Slices(16, 16), x)  # slices of 16 rows
+        torch.testing.assert_close(sliced, expected, rtol=1e-6, atol=1e-6)
+        blocks = swap_in(model, Slices(74, 74))
         calls.clear()
         with _Ops() as direct:
             assert torch.equal(block(x), expected)
-        assert calls == [] and direct.ops == lean.ops
+        assert calls == [] and direct.ops == whole_lean.ops
+        swap_out(blocks)
+        blocks = swap_in(model, Slices(16, 16))
+        assert block.forward.func is direct_forward
+        with _Ops() as direct:
+            got = block(x)
+        assert torch.equal(got, sliced) and calls == [] and direct.ops == lean.ops
         seen = []
         handle = block.down_proj.register_forward_hook(lambda module, args, output: seen.append(output.shape))
-        assert torch.equal(block(x), expected)
-        assert seen == [(2, 37, hidden)] and len(calls) == 3
+        assert torch.equal(block(x), sliced)
+        assert seen == [(16, hidden)] * 4 + [(10, hidden)] and len(calls) == 5 * 3
         handle.remove()
     calls.clear()
     torch.testing.assert_close(block(x), expected, rtol=1e-6, atol=1e-6)  # with gradients: lean_forward's slices,
@@ -195,10 +217,10 @@ def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeyp
     made = block.forward
     swap_out(blocks)
     assert "forward" not in block.__dict__
-    assert swap_in(model, 16) == blocks and block.forward is made  # kept for the next prefill
+    assert swap_in(model, Slices(16, 16)) == blocks and block.forward is made  # kept for the next prefill
     swap_out(blocks)
     block.up_proj.forward = functools.partial(torch.nn.Linear.forward, block.up_proj)  # (another library's hook)
-    swap_in(model, 16)
+    swap_in(model, Slices(16, 16))
     assert block.forward.func is lean_forward
     swap_out(blocks)
     del block.up_proj.forward
@@ -209,10 +231,10 @@ def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeyp
     adapted = Adapted(hidden, intermediate, bias=False)
     adapted.load_state_dict(block.up_proj.state_dict())
     block.up_proj = adapted
-    swap_in(model, 16)
+    swap_in(model, Slices(16, 16))
     assert block.forward.func is lean_forward and model.model.layers[1].mlp.forward.func is direct_forward
     with torch.no_grad():
-        assert torch.equal(block(x), expected)
+        assert torch.equal(block(x), sliced)  # lean_forward: the same slices
     swap_out(blocks)
 
 
@@ -227,15 +249,77 @@ def test_lean_forward_runs_whole_inputs_it_cannot_slice():
 
     x = torch.randn(1, 10, 4)
     block = Pair()
-    out = lean_forward(block, 4, x)
+    out = lean_forward(block, Slices(4, 4), x)
     assert torch.equal(out[0], x) and Pair.calls == 2  # the first slice's tuple, then the whole input
-    out = lean_forward(block, 4, x, scale=2.0)
+    out = lean_forward(block, Slices(4, 4), x, scale=2.0)
     assert torch.equal(out[0], 2 * x) and Pair.calls == 3
     linear = torch.nn.Linear(4, 3)
-    torch.testing.assert_close(lean_forward(linear, 3, x), linear(x), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lean_forward(linear, Slices(3, 3), x), linear(x), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", [0, -4, 2.5, "8", True])
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", "Auto", True])
 def test_prefill_mlp_chunk_is_checked(value):
     with pytest.raises(ValueError, match="prefill_mlp_chunk"):
         hf_sparse.PLASConfig(prefill_mlp_chunk=value)
+
+
+def test_auto_slices_a_silu_mlp_with_an_int8_cache_only(monkeypatch):
+    """``prefill_mlp_chunk="auto"`` (every method's default) slices a SiLU-gated MLP's rows with an int8 K/V cache
+    and runs it whole otherwise; other blocks get :data:`AUTO_TOKENS`-token slices; an int gives both; None none.
+    In generate(): with the auto rows set to 48, the int8 prefill's MLPs run over 48-row slices and the bf16 one's
+    whole (the int8 prefill's tokens equal its whole-MLP run's)."""
+    assert slices_for("auto", True) == Slices(feed_forward.AUTO_INT8_SILU_ROWS, feed_forward.AUTO_TOKENS)
+    assert slices_for("auto", False) == Slices(None, feed_forward.AUTO_TOKENS)
+    assert slices_for(48, True) == slices_for(48, False) == Slices(48, 48) and slices_for(None, True) is None
+    assert all(make().prefill_mlp_chunk == "auto"
+               for make in (hf_sparse.PLASConfig, hf_sparse.XAttnConfig, hf_sparse.StarConfig))
+    monkeypatch.setattr(feed_forward, "AUTO_INT8_SILU_ROWS", 48)
+    model = build(tiny_config("llama", layers=2), "plas")
+    rows = []
+    for layer in model.model.layers:
+        layer.mlp.up_proj.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1]))
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    sequences = {}
+    for dtype, chunk in (("int8", "auto"), ("int8", None), ("auto", "auto")):
+        hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, dense_below=32, kv_cache_dtype=dtype,
+                                                        prefill_mlp_chunk=chunk))
+        rows.clear()
+        with torch.no_grad():
+            sequences[dtype, chunk] = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        prefill = [(48,), (48,), (4,)] * 2 if (dtype, chunk) == ("int8", "auto") else [(1, 100)] * 2
+        assert rows == prefill + [(1, 1)] * 2 * 2  # then two decode steps of two layers
+    assert torch.equal(sequences["int8", "auto"], sequences["int8", None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_silu_mlp_over_row_slices_equals_the_whole_on_the_gpu(batch):
+    """On the GPU in bf16 the swapped-in SiLU MLP of SmolLM2's shape (576 -> 1536) over slices of 8192 rows of 20,000
+    tokens (the last slice odd) gives the whole input's output (cuBLAS promises no bit-equality across row counts: to
+    bf16 rounding), and peaks at less memory than the whole MLP."""
+    torch.manual_seed(0)
+    config = tiny_config("llama", layers=1)
+    config.hidden_size, config.intermediate_size = 576, 1536
+    model = build(config, "sdpa").cuda().to(torch.bfloat16)
+    block = model.model.layers[0].mlp
+    x = torch.randn(batch, 20000 // batch, 576, device="cuda", dtype=torch.bfloat16)
+    peaks = {}
+    with torch.no_grad():
+        for chunk in (10**6, 8192):
+            blocks = swap_in(model, Slices(chunk, chunk))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = block(x)
+            torch.cuda.synchronize()
+            peaks[chunk] = torch.cuda.max_memory_allocated() - base
+            swap_out(blocks)
+            if chunk == 10**6:
+                whole = out
+            del out
+        blocks = swap_in(model, Slices(8192, 8192))
+        sliced = block(x)
+        swap_out(blocks)
+    torch.testing.assert_close(sliced, whole, rtol=1.6e-2, atol=1e-2)
+    assert peaks[8192] < peaks[10**6]
