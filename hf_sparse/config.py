@@ -124,10 +124,13 @@ def _check_dense_above_density(config: Any) -> None:
 
 
 def _check_prefill_mlp_chunk(config: Any) -> None:
-    """Validate the ``prefill_mlp_chunk`` field shared by the method configs."""
-    value = config.prefill_mlp_chunk
-    if value is not None and value != "auto" and _as_int("prefill_mlp_chunk", value) < 1:
-        raise ValueError(f"prefill_mlp_chunk must be 'auto', None or >= 1, got {value!r}")
+    """Validate the ``prefill_mlp_chunk`` and ``prefill_silu_rows`` fields shared by the method configs."""
+    if config.prefill_mlp_chunk is not None and _as_int("prefill_mlp_chunk", config.prefill_mlp_chunk) < 1:
+        raise ValueError(f"prefill_mlp_chunk must be None or >= 1, got {config.prefill_mlp_chunk}")
+    rows = config.prefill_silu_rows
+    auto = isinstance(rows, str) and rows == "auto"
+    if rows is not None and not auto and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"prefill_silu_rows must be 'auto', None or an int >= 1, got {rows!r}")
 
 
 def _check_kv_cache_dtype(config: Any) -> None:
@@ -212,13 +215,15 @@ class PLASConfig(_MethodConfig):
             ``False`` computes every row always.
         prefill_mlp_chunk: in a ``generate()`` prefill each decoder layer's dense feed-forward block holds fewer
             activations at once (:mod:`hf_sparse.feed_forward`): a SiLU-gated MLP (Llama, Qwen, Mistral, ...)
-            computes its gate in place, and runs over slices of this many tokens (rows of its ``[tokens, hidden]``
-            input) when the prefill has more; other blocks run over slices of this many tokens (batch x
-            positions). This keeps the prefill's peak memory under dense attention's (the sparse cache holds block
-            summaries besides the K/V). ``"auto"``: SiLU-gated MLPs over slices of 8192 tokens with
-            ``kv_cache_dtype="int8"`` (the memory-first cache) and whole otherwise (slices cost up to 3% of TTFT
-            where the prefill runs dense), other blocks over slices of 16384 tokens. ``None`` runs each block as
-            transformers does.
+            computes its gate in place (same values and launches), other blocks run over slices of this many
+            tokens (batch x positions) when the prefill has more. This keeps the prefill's peak memory under
+            dense attention's (the sparse cache holds block summaries besides the K/V). ``None`` runs each block
+            as transformers does.
+        prefill_silu_rows: while ``prefill_mlp_chunk`` is not None, a SiLU-gated MLP whose prefill input has more
+            tokens (batch x positions) than this runs over slices of this many rows of its ``[tokens, hidden]``
+            input, all three projections per slice (fewer activations alive; equal to the whole MLP to rounding).
+            ``"auto"``: 8192 with ``kv_cache_dtype="int8"`` (the memory-first cache), else whole: slices cost
+            TTFT (about 3% at 8K x 4, where the prefill runs dense); ``None``: whole.
     """
 
     block_size: int = 128
@@ -240,7 +245,8 @@ class PLASConfig(_MethodConfig):
     decode_compile: bool = True
     decode_fused_layers: bool = True
     trim_last_layer: bool = True
-    prefill_mlp_chunk: int | str | None = "auto"
+    prefill_mlp_chunk: int | None = 16384
+    prefill_silu_rows: int | str | None = "auto"
     method: str = field(default="plas", init=False)
 
     def __post_init__(self) -> None:
@@ -272,7 +278,7 @@ class PLASConfig(_MethodConfig):
     STORED_FIELDS = frozenset({"block_size", "prefill_top_k", "decode_top_k", "query_union", "dense_layers",
                                "dense_below", "sink_blocks", "search_steps"})
     #: A config stored before ``prefill_top_k_length`` existed keeps the fixed counts it ran with.
-    EARLIER_VALUES = {"prefill_top_k_length": None}
+    EARLIER_VALUES = {"prefill_top_k_length": None, "prefill_silu_rows": None}
 
     def top_k(self, phase: str, key_length: int | None = None) -> tuple[int, int]:
         """The (left, right) range of the phase, ``"prefill"`` or ``"decode"``; a prefill over ``key_length``
@@ -401,6 +407,7 @@ class XAttnConfig(_MethodConfig):
             whose logits it keeps only.
         prefill_mlp_chunk: as :class:`PLASConfig`'s: a generate() prefill's feed-forward blocks hold fewer
             activations.
+        prefill_silu_rows: as :class:`PLASConfig`'s: a generate() prefill's SiLU-gated MLPs over row slices.
     """
 
     block_size: int = 128
@@ -427,7 +434,8 @@ class XAttnConfig(_MethodConfig):
     decode_compile: bool = True
     decode_fused_layers: bool = True
     trim_last_layer: bool = True
-    prefill_mlp_chunk: int | str | None = "auto"
+    prefill_mlp_chunk: int | None = 16384
+    prefill_silu_rows: int | str | None = "auto"
     method: str = field(default="xattn", init=False)
 
     #: Default decode ``dense_below``, in blocks (see the field's description).
@@ -499,7 +507,7 @@ class XAttnConfig(_MethodConfig):
     STORED_FIELDS = frozenset({"block_size", "stride", "threshold", "decode_threshold", "gqa_reduce",
                                "keep_sink", "keep_diagonal", "dense_layers", "dense_below"})
     #: A config stored before ``long_threshold`` existed keeps the one threshold it ran with.
-    EARLIER_VALUES = {"long_threshold": None}
+    EARLIER_VALUES = {"long_threshold": None, "prefill_silu_rows": None}
 
     def dense_threshold(self, phase: str) -> int:
         """Sequence length below which the phase (``"prefill"`` or ``"decode"``) runs dense."""
@@ -544,6 +552,8 @@ class StarConfig(_MethodConfig):
         decode_fused_layers: as :class:`PLASConfig`'s: fused Llama-style layers in the captured decode step.
         prefill_mlp_chunk: as :class:`PLASConfig`'s: a generate() prefill's feed-forward blocks hold fewer
             activations.
+        prefill_silu_rows: as :class:`PLASConfig`'s: a generate() prefill's SiLU-gated MLPs over row slices
+            (``"auto"``: whole, Star's cache being of the model's dtype).
     """
 
     block_size: int = 16384
@@ -557,7 +567,8 @@ class StarConfig(_MethodConfig):
     decode_cuda_graph: bool = True
     decode_compile: bool = True
     decode_fused_layers: bool = True
-    prefill_mlp_chunk: int | str | None = "auto"
+    prefill_mlp_chunk: int | None = 16384
+    prefill_silu_rows: int | str | None = "auto"
     method: str = field(default="star", init=False)
 
     def __post_init__(self) -> None:

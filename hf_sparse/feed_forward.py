@@ -11,21 +11,21 @@ Without gradients (as generate() runs), a gated MLP whose forward is transformer
 runs
 
 * with a SiLU gate, its activation and product in place in the gate projection's output (where no forward hook
-  sees that output). An input of at most :attr:`Slices.silu_rows` tokens (or any input, where that is None) runs
+  sees that output). An input of at most :attr:`Slices.silu_rows` tokens (any input, where that is None) runs
   whole: the same launches and the same values as its own forward, two such activations alive instead of three. A
-  longer one runs over slices of at most that many rows of its ``[tokens, hidden]`` view (no copy of the input), all three projections per slice, each slice's
-  output copied into one output tensor: two slice-sized activations alive, each projection a GEMM over the slice's
-  rows (equal to one GEMM over all rows to rounding, which cuBLAS does not promise to keep). Where its three
-  projections are plain ``torch.nn.Linear`` modules that no hook watches, they are called as
-  ``torch.nn.functional.linear`` on their own weights, as their forward does, but without four module calls
-  (projections and activation): a prompt of a few thousand tokens is bound by the host's time per layer, which this
-  keeps under the block's own forward's;
-* with another gate (or a hooked gate projection), over slices of :attr:`Slices.tokens` tokens (a dense MLP treats every token alone),
-  each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the down projection taken
-  over all of it: one such activation alive, in more, smaller launches.
+  longer one, whose projections no hook watches, runs over slices of at most that many rows of its ``[tokens,
+  hidden]`` view (no copy of the input), all three projections per slice, each slice's output copied into one
+  output tensor: two slice-sized activations alive, each projection a GEMM over the slice's rows (equal to one GEMM
+  over all rows to rounding, which cuBLAS does not promise to keep). Where its three projections are plain
+  ``torch.nn.Linear`` modules that no hook watches, they are called as ``torch.nn.functional.linear`` on their own
+  weights, as their forward does, but without four module calls (projections and activation): a prompt of a few
+  thousand tokens is bound by the host's time per layer, which this keeps under the block's own forward's;
+* with another gate (or a hooked gate projection), over slices of :attr:`Slices.tokens` tokens (a dense MLP treats
+  every token alone), each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the
+  down projection taken over all of it: one such activation alive, in more, smaller launches.
 
-Other blocks run over such slices of the tokens, each slice's output copied into one output tensor (one more write and
-read of the output).
+Other blocks run over such slices of the tokens, each slice's output copied into one output tensor (one more write
+and read of the output).
 
 Blocks taken: the child named ``mlp`` / ``feed_forward`` of a module that also holds an attention child, whose
 ``forward`` is its class's (not another library's instance hook) and which has no ``experts`` child (a mixture of
@@ -47,12 +47,10 @@ _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 
 
-#: ``prefill_mlp_chunk="auto"``: a SiLU-gated MLP's rows a slice with an int8 K/V cache (the memory-first cache; on
-#: SmolLM2 on an H200 its first call drops to 0.72x sdpa's at 16K and 0.59x at 128K, for 1-3% of TTFT), and other
-#: blocks' tokens a slice (with a cache of the model's dtype a SiLU-gated MLP runs whole: slices cost TTFT where
-#: the prefill runs dense, up to 3% at 8K x 4; docs/features.md, "MLP slices").
+#: ``prefill_silu_rows="auto"`` with an int8 K/V cache (the memory-first cache): a SiLU-gated MLP's rows a slice.
+#: With a cache of the model's dtype "auto" runs it whole, since slices cost TTFT where the prefill runs dense
+#: (docs/features.md, "MLP slices, with the int8 cache").
 AUTO_INT8_SILU_ROWS = 8192
-AUTO_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -64,16 +62,21 @@ class Slices:
     silu_rows: int | None
     tokens: int
 
+    def __post_init__(self) -> None:
+        if self.silu_rows is not None and self.silu_rows < 1 or self.tokens < 1:
+            raise ValueError(f"Slices needs silu_rows None or >= 1 and tokens >= 1, got {self}")
 
-def slices_for(prefill_mlp_chunk: int | str | None, int8_cache: bool) -> Slices | None:
-    """The :class:`Slices` of a method config's ``prefill_mlp_chunk`` (an int: both; ``"auto"``:
-    :data:`AUTO_INT8_SILU_ROWS` rows with ``int8_cache``, else whole, and :data:`AUTO_TOKENS` tokens); None for
-    None (transformers' own forwards)."""
-    if prefill_mlp_chunk is None:
+
+def slices_for(config: Any) -> Slices | None:
+    """The :class:`Slices` of a method config: ``prefill_mlp_chunk`` tokens, ``prefill_silu_rows`` rows
+    (``"auto"``: :data:`AUTO_INT8_SILU_ROWS` with ``kv_cache_dtype="int8"``, else whole); None where
+    ``prefill_mlp_chunk`` is None (transformers' own forwards)."""
+    if config.prefill_mlp_chunk is None:
         return None
-    if prefill_mlp_chunk == "auto":
-        return Slices(AUTO_INT8_SILU_ROWS if int8_cache else None, AUTO_TOKENS)
-    return Slices(int(prefill_mlp_chunk), int(prefill_mlp_chunk))
+    rows = config.prefill_silu_rows
+    if isinstance(rows, str):  # "auto" (the configs check the field)
+        rows = AUTO_INT8_SILU_ROWS if getattr(config, "kv_cache_dtype", None) == "int8" else None
+    return Slices(rows, config.prefill_mlp_chunk)
 
 
 #: Each model's feed-forward blocks as [parent, child name, block, kept], from its last walk (:func:`_walk`); kept:
@@ -137,9 +140,9 @@ def _silu_gated(gate: Any, up: Any, down: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _over_rows(forward: Any, hidden_states: torch.Tensor, rows: int | None) -> torch.Tensor:
-    """``forward`` (a token-wise map of ``[..., hidden]`` to ``[..., out]``) over the whole input when ``rows`` is None
-    or it has at most ``rows`` tokens, else over slices of at most ``rows`` rows of its ``[tokens, hidden]`` view, each slice's output
-    copied into one output tensor of the input's leading shape."""
+    """``forward`` (a token-wise map of ``[..., hidden]`` to ``[..., out]``) over the whole input when ``rows`` is
+    None or it has at most ``rows`` tokens, else over slices of at most ``rows`` rows of its ``[tokens, hidden]``
+    view, each slice's output copied into one output tensor of the input's leading shape."""
     tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
     if rows is None or tokens <= rows:
         return forward(hidden_states)
@@ -156,19 +159,23 @@ def _over_rows(forward: Any, hidden_states: torch.Tensor, rows: int | None) -> t
 
 def lean_forward(block: torch.nn.Module, slices: Slices, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
-    """``block``'s forward on a ``[batch, positions, hidden]`` input with fewer activations alive: a SiLU-gated MLP's
-    in place (over slices of at most ``slices.silu_rows`` rows of its ``[tokens, hidden]`` view where it has more),
-    others over slices of at most ``slices.tokens`` tokens (``batch x positions``; see the module's description).
-    Other calls (more arguments, another rank, few tokens) and blocks whose output is not a
-    ``[batch, positions, ...]`` tensor run their own forward over the whole input."""
-    if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+    """``block``'s forward with fewer activations alive: a SiLU-gated MLP's in place, over slices of at most
+    ``slices.silu_rows`` rows of its ``[tokens, hidden]`` view where it has more and no hook or forward of their own
+    watches its projections (a hook sees the whole input, as from the block's own forward); on a ``[batch,
+    positions, hidden]`` input others over slices of at most ``slices.tokens`` tokens (``batch x positions``; see
+    the module's description). Other calls (more arguments, another rank, few tokens) and blocks whose output is
+    not a ``[batch, positions, ...]`` tensor run their own forward over the whole input."""
+    if args or kwargs or not isinstance(hidden_states, torch.Tensor):
         return type(block).forward(block, hidden_states, *args, **kwargs)
-    batch, positions = hidden_states.shape[:2]
-    step = max(1, slices.tokens // max(batch, 1))
     no_grad_gated = gated(type(block)) and not torch.is_grad_enabled()  # (in-place / out= products: no gradient)
     if no_grad_gated and _silu_in_place(block):
-        return _over_rows(functools.partial(_silu_gated, block.gate_proj, block.up_proj, block.down_proj),
-                          hidden_states, slices.silu_rows)
+        projections = (block.gate_proj, block.up_proj, block.down_proj)
+        return _over_rows(functools.partial(_silu_gated, *projections), hidden_states,
+                          slices.silu_rows if _unwatched(projections) else None)
+    if hidden_states.dim() != 3:
+        return type(block).forward(block, hidden_states)
+    batch, positions = hidden_states.shape[:2]
+    step = max(1, slices.tokens // max(batch, 1))
     if positions <= step:
         return type(block).forward(block, hidden_states)
     if no_grad_gated:
@@ -207,10 +214,12 @@ def _plain_projections(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
 
 
 def _unwatched(modules: tuple[torch.nn.Module, ...]) -> bool:
-    """Whether no forward hook (global, or of one of ``modules``) would see a call of ``modules``."""
+    """Whether no forward hook (global, or of one of ``modules``) and no forward of a module's own (another
+    library's instance hook, such as an offloading one) would see a call of ``modules``."""
     hooks = torch.nn.modules.module
     return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or any(module._forward_hooks or module._forward_pre_hooks for module in modules))
+                or any(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                       for module in modules))
 
 
 def _linear(parameters: dict, x: torch.Tensor) -> torch.Tensor:
@@ -225,8 +234,8 @@ def direct_forward(block: torch.nn.Module, slices: Slices, projections: tuple[to
     ``torch.nn.functional.linear`` (``silu_gated``: :func:`_silu_gated` over :func:`_linear` of each) and its gate in
     place: :func:`lean_forward`'s ops and values, without the module calls. Calls with gradients or more arguments,
     and projections a hook watches, go to :func:`lean_forward`."""
-    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
-            or torch.is_grad_enabled() or not _unwatched(projections)):
+    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or torch.is_grad_enabled()
+            or not _unwatched(projections)):
         return lean_forward(block, slices, hidden_states, *args, **kwargs)
     return _over_rows(silu_gated, hidden_states, slices.silu_rows)
 

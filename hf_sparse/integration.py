@@ -236,8 +236,7 @@ def _generate(self, *args: Any, **kwargs: Any) -> Any:
     handles = []
     if implementation in METHODS:
         config = method_config(self.config, implementation)
-        slices = feed_forward.slices_for(config.prefill_mlp_chunk, getattr(config, "kv_cache_dtype", None) == "int8")
-        handles = _watch_prefill(self, implementation in TRIMMED, slices)
+        handles = _watch_prefill(self, implementation in TRIMMED, feed_forward.slices_for(config))
     try:
         return _ORIGINAL["generate"](self, *args, **kwargs)
     finally:

@@ -15,65 +15,85 @@ from hf_sparse.feed_forward import (Slices, direct_forward, feed_forward_blocks,
 from conftest import build, tiny_config
 
 
-def _generate(model, make, prompt, mask, chunk, rows):
-    hf_sparse.configure(model, make(block_size=16, dense_below=32, prefill_mlp_chunk=chunk))
-    rows.clear()
+def _generate(model, make, prompt, mask, seen, **fields):
+    hf_sparse.configure(model, make(block_size=16, dense_below=32, **fields))
+    for shapes in seen.values():
+        shapes.clear()
     return model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                           return_dict_in_generate=True, output_logits=True)
 
 
+def _watch_projections(model, monkeypatch):
+    """The leading shapes of the inputs each layer's up and down projections get through ``F.linear`` (the call
+    both ``nn.Linear`` and the swapped-in MLPs make), recorded without a hook (a hook on a projection stops row
+    slices); and of the activation module's, through a hook."""
+    seen = {"up": [], "down": [], "act": []}
+    names = {}
+    for layer in model.model.layers:
+        names[id(layer.mlp.up_proj.weight)], names[id(layer.mlp.down_proj.weight)] = "up", "down"
+        layer.mlp.act_fn.register_forward_hook(lambda module, args, output: seen["act"].append(args[0].shape[:-1]))
+    linear = torch.nn.functional.linear
+
+    def recorded(x, weight, bias=None):
+        if id(weight) in names:
+            seen[names[id(weight)]].append(x.shape[:-1])
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recorded)
+    return seen
+
+
 @pytest.mark.parametrize("method", ["plas", "xattn", "star"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act):
-    """In a prefill a SiLU-gated MLP runs with its gate in place (the activation module is not called), over slices
-    of at most ``prefill_mlp_chunk`` rows of its ``[tokens, hidden]`` view where the prefill has more tokens (the
-    tokens and logits of whole-input MLPs), over the whole input otherwise (logits bit-equal to its own forward's),
-    also under ``dense_below`` (where the logits stay bit-equal to sdpa's); a GELU-gated one (or a SiLU one whose
-    gate projection a hook watches) takes its gate and up projections over slices of at most ``prefill_mlp_chunk``
-    tokens (batch x positions) and its down projection over the whole input (the tokens and logits of whole-input
-    MLPs). Every decode step runs each MLP's own forward; nothing stays swapped or hooked after."""
+def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(method, act, monkeypatch):
+    """In a prefill a SiLU-gated MLP runs with its gate in place (the activation module is not called): over slices
+    of at most ``prefill_silu_rows`` rows of its ``[tokens, hidden]`` view where the prefill has more tokens (the
+    tokens and logits of whole-input MLPs), over the whole input otherwise, with ``"auto"`` and a cache of the
+    model's dtype, and where a hook watches a projection (logits bit-equal to its own forward's), also under
+    ``dense_below`` (where the logits stay bit-equal to sdpa's); a GELU-gated one takes its gate and up projections
+    over slices of at most ``prefill_mlp_chunk`` tokens (batch x positions) and its down projection over the whole
+    input (the tokens and logits of whole-input MLPs). Every decode step runs each MLP's own forward; nothing stays
+    swapped or hooked after."""
     config = tiny_config("llama", layers=3)
     config.hidden_act = act
     model = build(config, "sdpa")
     make = {"plas": hf_sparse.PLASConfig, "xattn": hf_sparse.XAttnConfig, "star": hf_sparse.StarConfig}[method]
-    rows, down, activations = [], [], []
-    for layer in model.model.layers:
-        layer.mlp.up_proj.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1]))
-        layer.mlp.down_proj.register_forward_hook(lambda module, args, output: down.append(args[0].shape[:-1]))
-        layer.mlp.act_fn.register_forward_hook(lambda module, args, output: activations.append(args[0].shape[:-1]))
+    seen = _watch_projections(model, monkeypatch)
     ids = torch.randint(1, 128, (2, 80), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0  # a left-padded row
     layers = len(model.model.layers)
     with torch.no_grad():
-        whole = _generate(model, make, ids, mask, None, rows)
-        assert rows[:layers] == [(2, 80)] * layers
-        down.clear()
-        activations.clear()
-        lean = _generate(model, make, ids, mask, 48, rows)  # 48 tokens over a batch of 2: 24 positions a slice
+        whole = _generate(model, make, ids, mask, seen, prefill_mlp_chunk=None)
+        assert seen["up"][:layers] == [(2, 80)] * layers
         if act == "silu":  # 160 rows: slices of 48
+            lean = _generate(model, make, ids, mask, seen, prefill_silu_rows=48)
             prefill = layers * 4
-            assert rows[:prefill] == down[:prefill] == [(48,), (48,), (48,), (16,)] * layers
-            assert activations[:1] == [(2, 1)]
-        else:
+            assert seen["up"][:prefill] == seen["down"][:prefill] == [(48,), (48,), (48,), (16,)] * layers
+        else:  # 48 tokens over a batch of 2: 24 positions a slice
+            lean = _generate(model, make, ids, mask, seen, prefill_mlp_chunk=48)
             prefill = layers * 4
-            assert rows[:prefill] == [(2, 24), (2, 24), (2, 24), (2, 8)] * layers
-            assert down[:layers] == [(2, 80)] * layers
+            assert seen["up"][:prefill] == [(2, 24), (2, 24), (2, 24), (2, 8)] * layers
+            assert seen["down"][:layers] == [(2, 80)] * layers
+        assert seen["act"][:1] == ([(2, 1)] if act == "silu" else [(2, 24)])
         assert torch.equal(whole.sequences, lean.sequences)
         for a, b in zip(whole.logits, lean.logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        assert rows[prefill:] == [(2, 1)] * (len(rows) - prefill) and len(rows) > prefill
-        if act == "silu":  # at most prefill_mlp_chunk tokens: whole, in place, bit-equal
-            activations.clear()
-            kept = _generate(model, make, ids, mask, 160, rows)
-            assert rows[:layers] == [(2, 80)] * layers and activations[:1] == [(2, 1)]
-            assert torch.equal(kept.sequences, whole.sequences)
-            assert all(torch.equal(a, b) for a, b in zip(whole.logits, kept.logits))
-        own = _generate(model, make, ids[:, :30], mask[:, :30], None, rows)  # under dense_below: dense
-        activations.clear()
-        short = _generate(model, make, ids[:, :30], mask[:, :30], 10**6, rows)
-        assert rows[:layers] == [(2, 30)] * layers
-        assert activations[:1] == ([(2, 1)] if act == "silu" else [(2, 30)])
+        assert seen["up"][prefill:] == [(2, 1)] * (len(seen["up"]) - prefill) and len(seen["up"]) > prefill
+        if act == "silu":  # at most prefill_silu_rows tokens, "auto" with this cache, or a hooked projection: whole
+            for fields, hook in (({"prefill_silu_rows": 160}, False), ({}, False), ({"prefill_silu_rows": 48}, True)):
+                handles = [layer.mlp.down_proj.register_forward_hook(lambda module, args, output: None)
+                           for layer in model.model.layers if hook]
+                kept = _generate(model, make, ids, mask, seen, **fields)
+                for handle in handles:
+                    handle.remove()
+                assert seen["up"][:layers] == [(2, 80)] * layers and seen["act"][:1] == [(2, 1)]
+                assert torch.equal(kept.sequences, whole.sequences)
+                assert all(torch.equal(a, b) for a, b in zip(whole.logits, kept.logits))
+        own = _generate(model, make, ids[:, :30], mask[:, :30], seen, prefill_mlp_chunk=None)  # under dense_below
+        short = _generate(model, make, ids[:, :30], mask[:, :30], seen, prefill_mlp_chunk=10**6)
+        assert seen["up"][:layers] == [(2, 30)] * layers
+        assert seen["act"][:1] == ([(2, 1)] if act == "silu" else [(2, 30)])
         assert all(torch.equal(a, b) for a, b in zip(short.logits, own.logits))
         model.config._attn_implementation = "sdpa"
         dense = model.generate(ids[:, :30], attention_mask=mask[:, :30], max_new_tokens=1, do_sample=False,
@@ -123,7 +143,8 @@ def test_gated_mlps_are_told_by_their_forward_code():
                   GPT2MLP(64, GPT2Config(n_embd=32)).eval()):
         with torch.no_grad():
             torch.testing.assert_close(lean_forward(block, Slices(10, 10), x), block(x), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(lean_forward(block, Slices(10, 10), x), block(x), rtol=1e-6, atol=1e-6)  # with gradients
+        with torch.enable_grad():  # with gradients
+            torch.testing.assert_close(lean_forward(block, Slices(10, 10), x), block(x), rtol=1e-6, atol=1e-6)
 
 
 class _Ops(TorchDispatchMode):
@@ -178,9 +199,10 @@ def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
 
 def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeypatch):
     """Swapped in, a SiLU-gated MLP whose projections are plain ``nn.Linear`` modules runs their weights through
-    ``F.linear``: lean_forward's ops and values, and no module call. A hook on a projection, gradients, or a
-    projection of another class or with a forward of its own take lean_forward's path, which calls the modules;
-    swap_out restores the block, and the next swap_in takes the forward it made while the block's parts stay."""
+    ``F.linear``: lean_forward's ops and values (whole or over row slices), and no module call. A hook on a
+    projection, gradients, or a projection of another class or with a forward of its own take lean_forward's path,
+    which calls the modules (a hook sees the whole input); swap_out restores the block, and the next swap_in takes
+    the forward it made while the block's parts stay."""
     model = build(tiny_config("llama", layers=2), "sdpa")
     block = model.model.layers[0].mlp
     hidden, intermediate = block.gate_proj.in_features, block.gate_proj.out_features
@@ -208,8 +230,8 @@ def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeyp
         assert torch.equal(got, sliced) and calls == [] and direct.ops == lean.ops
         seen = []
         handle = block.down_proj.register_forward_hook(lambda module, args, output: seen.append(output.shape))
-        assert torch.equal(block(x), sliced)
-        assert seen == [(16, hidden)] * 4 + [(10, hidden)] and len(calls) == 5 * 3
+        assert torch.equal(block(x), expected)  # a watched projection: the whole input, in place
+        assert seen == [(2, 37, hidden)] and len(calls) == 3
         handle.remove()
     calls.clear()
     torch.testing.assert_close(block(x), expected, rtol=1e-6, atol=1e-6)  # with gradients: lean_forward's slices,
@@ -257,38 +279,74 @@ def test_lean_forward_runs_whole_inputs_it_cannot_slice():
     torch.testing.assert_close(lean_forward(linear, Slices(3, 3), x), linear(x), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", [0, -4, 2.5, "8", "Auto", True])
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", "auto", True])
 def test_prefill_mlp_chunk_is_checked(value):
     with pytest.raises(ValueError, match="prefill_mlp_chunk"):
         hf_sparse.PLASConfig(prefill_mlp_chunk=value)
 
 
+@pytest.mark.parametrize("make", [hf_sparse.PLASConfig, hf_sparse.XAttnConfig, hf_sparse.StarConfig])
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", "Auto", "auto ", True, torch.tensor(8)])
+def test_prefill_silu_rows_is_checked(make, value):
+    with pytest.raises(ValueError, match="prefill_silu_rows must be 'auto', None or an int >= 1"):
+        make(prefill_silu_rows=value)
+
+
+def test_slices_need_positive_sizes():
+    with pytest.raises(ValueError, match="silu_rows None or >= 1 and tokens >= 1"):
+        Slices(0, 16)
+    with pytest.raises(ValueError, match="silu_rows None or >= 1 and tokens >= 1"):
+        Slices(None, 0)
+
+
 def test_auto_slices_a_silu_mlp_with_an_int8_cache_only(monkeypatch):
-    """``prefill_mlp_chunk="auto"`` (every method's default) slices a SiLU-gated MLP's rows with an int8 K/V cache
-    and runs it whole otherwise; other blocks get :data:`AUTO_TOKENS`-token slices; an int gives both; None none.
-    In generate(): with the auto rows set to 48, the int8 prefill's MLPs run over 48-row slices and the bf16 one's
-    whole (the int8 prefill's tokens equal its whole-MLP run's)."""
-    assert slices_for("auto", True) == Slices(feed_forward.AUTO_INT8_SILU_ROWS, feed_forward.AUTO_TOKENS)
-    assert slices_for("auto", False) == Slices(None, feed_forward.AUTO_TOKENS)
-    assert slices_for(48, True) == slices_for(48, False) == Slices(48, 48) and slices_for(None, True) is None
-    assert all(make().prefill_mlp_chunk == "auto"
-               for make in (hf_sparse.PLASConfig, hf_sparse.XAttnConfig, hf_sparse.StarConfig))
+    """``prefill_silu_rows="auto"`` (every method's default) slices a SiLU-gated MLP's rows with an int8 K/V cache
+    and runs it whole otherwise (Star's cache is of the model's dtype); an int slices, None runs whole;
+    ``prefill_mlp_chunk`` sets the other blocks' tokens, and None there runs transformers' own forwards. A config
+    stored by a version without the field keeps the whole MLP it ran with. In generate(): with the auto rows set to
+    48, the int8 prefill's MLPs run over 48-row slices and the bf16 one's whole; the int8 prefill's tokens and logits
+    equal its whole-MLP run's."""
+    rows = feed_forward.AUTO_INT8_SILU_ROWS
+    assert slices_for(hf_sparse.PLASConfig(kv_cache_dtype="int8")) == Slices(rows, 16384)
+    assert slices_for(hf_sparse.XAttnConfig(kv_cache_dtype="int8", prefill_mlp_chunk=4096)) == Slices(rows, 4096)
+    assert slices_for(hf_sparse.PLASConfig()) == slices_for(hf_sparse.StarConfig()) == Slices(None, 16384)
+    assert slices_for(hf_sparse.PLASConfig(prefill_silu_rows=48)) == Slices(48, 16384)
+    assert slices_for(hf_sparse.PLASConfig(kv_cache_dtype="int8", prefill_silu_rows=None)) == Slices(None, 16384)
+    assert slices_for(hf_sparse.PLASConfig(kv_cache_dtype="int8", prefill_mlp_chunk=None)) is None
+    for make in (hf_sparse.PLASConfig, hf_sparse.XAttnConfig):
+        stored = make(kv_cache_dtype="int8").to_dict()
+        del stored["prefill_silu_rows"]
+        assert make.from_dict(stored).prefill_silu_rows is None
     monkeypatch.setattr(feed_forward, "AUTO_INT8_SILU_ROWS", 48)
     model = build(tiny_config("llama", layers=2), "plas")
-    rows = []
-    for layer in model.model.layers:
-        layer.mlp.up_proj.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1]))
+    seen = _watch_projections(model, monkeypatch)
     ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(1))
-    sequences = {}
-    for dtype, chunk in (("int8", "auto"), ("int8", None), ("auto", "auto")):
-        hf_sparse.configure(model, hf_sparse.PLASConfig(block_size=16, dense_below=32, kv_cache_dtype=dtype,
-                                                        prefill_mlp_chunk=chunk))
-        rows.clear()
+    runs = {}
+    for dtype, silu_rows in (("int8", "auto"), ("int8", None), ("auto", "auto")):
         with torch.no_grad():
-            sequences[dtype, chunk] = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-        prefill = [(48,), (48,), (4,)] * 2 if (dtype, chunk) == ("int8", "auto") else [(1, 100)] * 2
-        assert rows == prefill + [(1, 1)] * 2 * 2  # then two decode steps of two layers
-    assert torch.equal(sequences["int8", "auto"], sequences["int8", None])
+            runs[dtype, silu_rows] = _generate(model, hf_sparse.PLASConfig, ids, torch.ones_like(ids), seen,
+                                               kv_cache_dtype=dtype, prefill_silu_rows=silu_rows)
+        prefill = [(48,), (48,), (4,)] * 2 if (dtype, silu_rows) == ("int8", "auto") else [(1, 100)] * 2
+        assert seen["up"] == prefill + [(1, 1)] * 3 * 2  # then three decode steps of two layers
+    sliced, whole = runs["int8", "auto"], runs["int8", None]
+    assert torch.equal(sliced.sequences, whole.sequences)
+    for a, b in zip(sliced.logits, whole.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_row_slices_of_a_strided_input_give_the_whole_inputs_output():
+    """A SiLU-gated MLP over row slices takes a non-contiguous input (a view with a stride over positions): its
+    output has the input's leading shape and the values of the block's own forward."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    block = LlamaMLP(tiny_config("llama", q_heads=2)).eval()
+    x = torch.randn(3, 50, 32)[:, ::2]
+    assert not x.is_contiguous()
+    with torch.no_grad():
+        got = lean_forward(block, Slices(16, 16), x)
+        expected = block(x)
+    assert got.shape == expected.shape == (3, 25, 32)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
