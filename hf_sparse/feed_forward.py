@@ -10,22 +10,24 @@ Without gradients (as generate() runs), a gated MLP whose forward is transformer
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Mistral, Qwen, Gemma, ...: the forward's code is compared)
 runs
 
-* with a SiLU gate, its activation and product in place in the gate projection's output (where no forward hook
-  sees that output). An input of at most :attr:`Slices.silu_rows` tokens (any input, where that is None) runs
-  whole: the same launches and the same values as its own forward, two such activations alive instead of three. A
-  longer one, whose projections no hook watches, runs over slices of at most that many rows of its ``[tokens,
-  hidden]`` view (no copy of the input), all three projections per slice, each slice's output copied into one
-  output tensor: two slice-sized activations alive, each projection a GEMM over the slice's rows (equal to one GEMM
-  over all rows to rounding, which cuBLAS does not promise to keep). Where its three projections are plain
-  ``torch.nn.Linear`` modules that no hook watches, they are called as ``torch.nn.functional.linear`` on their own
-  weights, as their forward does, but without four module calls (projections and activation): a prompt of a few
-  thousand tokens is bound by the host's time per layer, which this keeps under the block's own forward's;
-* with another gate (or a hooked gate projection), over slices of :attr:`Slices.tokens` tokens (a dense MLP treats
-  every token alone), each slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the
-  down projection taken over all of it: one such activation alive, in more, smaller launches.
+* with a SiLU gate, its activation and product in place in the gate projection's output. An input of at most
+  :attr:`Slices.silu_rows` tokens (any input, where that is None) runs whole: the same launches and the same values as
+  its own forward, two such activations alive instead of three. A longer one runs over slices of at most that many
+  rows of its ``[tokens, hidden]`` view (no copy of the input), all three projections per slice, each slice's output
+  copied into one output tensor: two slice-sized activations alive, each projection a GEMM over the slice's rows
+  (equal to one GEMM over all rows to rounding, which cuBLAS does not promise to keep). Where its three projections
+  are plain ``torch.nn.Linear`` modules that no hook watches, they are called as ``torch.nn.functional.linear`` on
+  their own weights, as their forward does, but without four module calls (projections and activation): a prompt of a
+  few thousand tokens is bound by the host's time per layer, which this keeps under the block's own forward's;
+* with another gate, over slices of :attr:`Slices.tokens` tokens (a dense MLP treats every token alone), each
+  slice's gated product written into one ``[tokens, intermediate_size]`` tensor and the down projection taken over
+  all of it: one such activation alive, in more, smaller launches.
 
 Other blocks run over such slices of the tokens, each slice's output copied into one output tensor (one more write
-and read of the output).
+and read of the output). A block one of whose children a forward hook or a forward of its own (another library's
+instance hook) watches, and every block while a global forward hook is set, runs its own forward over the whole
+input: a hook sees what it would see without hf_sparse (a position-indexing hook on slices, or a probe that keeps a
+gate's output that the in-place SiLU overwrites, would silently differ).
 
 Blocks taken: the child named ``mlp`` / ``feed_forward`` of a module that also holds an attention child, whose
 ``forward`` is its class's (not another library's instance hook) and which has no ``experts`` child (a mixture of
@@ -124,13 +126,6 @@ def _silu(act_fn: Any) -> bool:
     return type(act_fn).__name__ in SILU_ACTIVATIONS and "forward" not in act_fn.__dict__
 
 
-def _silu_in_place(block: torch.nn.Module) -> bool:
-    """Whether a gated MLP's gate is SiLU and its gate projection's output may be overwritten: no forward hook sees
-    that output (a probe that keeps it would find it changed)."""
-    return (_silu(block.act_fn) and not block.gate_proj._forward_hooks
-            and not torch.nn.modules.module._global_forward_hooks)
-
-
 def _silu_gated(gate: Any, up: Any, down: Any, x: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` with the activation and the product in place in ``gate(x)``'s output."""
     product = gate(x)
@@ -160,18 +155,18 @@ def _over_rows(forward: Any, hidden_states: torch.Tensor, rows: int | None) -> t
 def lean_forward(block: torch.nn.Module, slices: Slices, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
     """``block``'s forward with fewer activations alive: a SiLU-gated MLP's in place, over slices of at most
-    ``slices.silu_rows`` rows of its ``[tokens, hidden]`` view where it has more and no hook or forward of their own
-    watches its projections (a hook sees the whole input, as from the block's own forward); on a ``[batch,
-    positions, hidden]`` input others over slices of at most ``slices.tokens`` tokens (``batch x positions``; see
-    the module's description). Other calls (more arguments, another rank, few tokens) and blocks whose output is
-    not a ``[batch, positions, ...]`` tensor run their own forward over the whole input."""
-    if args or kwargs or not isinstance(hidden_states, torch.Tensor):
+    ``slices.silu_rows`` rows of its ``[tokens, hidden]`` view where it has more; on a ``[batch, positions, hidden]``
+    input others over slices of at most ``slices.tokens`` tokens (``batch x positions``; see the module's
+    description). Other calls (more arguments, another rank, few tokens), blocks whose output is not a ``[batch,
+    positions, ...]`` tensor, and blocks a hook watches (:func:`_unwatched` of their children: the hook sees what it
+    would see without hf_sparse) run their own forward over the whole input."""
+    if (args or kwargs or not isinstance(hidden_states, torch.Tensor)
+            or not _unwatched(tuple(block._modules.values()))):
         return type(block).forward(block, hidden_states, *args, **kwargs)
     no_grad_gated = gated(type(block)) and not torch.is_grad_enabled()  # (in-place / out= products: no gradient)
-    if no_grad_gated and _silu_in_place(block):
-        projections = (block.gate_proj, block.up_proj, block.down_proj)
-        return _over_rows(functools.partial(_silu_gated, *projections), hidden_states,
-                          slices.silu_rows if _unwatched(projections) else None)
+    if no_grad_gated and _silu(block.act_fn):
+        return _over_rows(functools.partial(_silu_gated, block.gate_proj, block.up_proj, block.down_proj),
+                          hidden_states, slices.silu_rows)
     if hidden_states.dim() != 3:
         return type(block).forward(block, hidden_states)
     batch, positions = hidden_states.shape[:2]
@@ -215,11 +210,12 @@ def _plain_projections(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
 
 def _unwatched(modules: tuple[torch.nn.Module, ...]) -> bool:
     """Whether no forward hook (global, or of one of ``modules``) and no forward of a module's own (another
-    library's instance hook, such as an offloading one) would see a call of ``modules``."""
+    library's instance hook, such as an offloading one) would see a call of ``modules``. (A block's children are
+    read, not their children.)"""
     hooks = torch.nn.modules.module
     return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or any(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                       for module in modules))
+                or any(module is not None and (module._forward_hooks or module._forward_pre_hooks
+                                                   or "forward" in module.__dict__) for module in modules))
 
 
 def _linear(parameters: dict, x: torch.Tensor) -> torch.Tensor:
@@ -228,14 +224,14 @@ def _linear(parameters: dict, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, parameters["weight"], parameters.get("bias"))
 
 
-def direct_forward(block: torch.nn.Module, slices: Slices, projections: tuple[torch.nn.Module, ...],
+def direct_forward(block: torch.nn.Module, slices: Slices, children: tuple[torch.nn.Module, ...],
                    silu_gated: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """A SiLU-gated MLP's forward with its plain projections (:func:`_plain_projections`) called as
     ``torch.nn.functional.linear`` (``silu_gated``: :func:`_silu_gated` over :func:`_linear` of each) and its gate in
     place: :func:`lean_forward`'s ops and values, without the module calls. Calls with gradients or more arguments,
-    and projections a hook watches, go to :func:`lean_forward`."""
+    and blocks a hook watches (one of its ``children``, or a global hook), go to :func:`lean_forward`."""
     if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or torch.is_grad_enabled()
-            or not _unwatched(projections)):
+            or not _unwatched(children)):
         return lean_forward(block, slices, hidden_states, *args, **kwargs)
     return _over_rows(silu_gated, hidden_states, slices.silu_rows)
 
@@ -255,7 +251,7 @@ def swap_in(model: torch.nn.Module, slices: Slices) -> list[torch.nn.Module]:
                 or any("forward" in child.__dict__ for child in children)):
             projections = _plain_projections(block)
             forward = (functools.partial(lean_forward, block, slices) if projections is None
-                       else functools.partial(direct_forward, block, slices, projections, functools.partial(
+                       else functools.partial(direct_forward, block, slices, children, functools.partial(
                            _silu_gated, *(functools.partial(_linear, linear._parameters) for linear in projections))))
             kept = entry[3] = (slices, children, forward)
         block.__dict__["forward"] = kept[2]

@@ -25,13 +25,15 @@ def _generate(model, make, prompt, mask, seen, **fields):
 
 def _watch_projections(model, monkeypatch):
     """The leading shapes of the inputs each layer's up and down projections get through ``F.linear`` (the call
-    both ``nn.Linear`` and the swapped-in MLPs make), recorded without a hook (a hook on a projection stops row
-    slices); and of the activation module's, through a hook."""
+    both ``nn.Linear`` and the swapped-in MLPs make), and of the activation module's through its class's forward:
+    recorded without a hook (a hook on a block's child makes the block run its own forward)."""
     seen = {"up": [], "down": [], "act": []}
     names = {}
     for layer in model.model.layers:
         names[id(layer.mlp.up_proj.weight)], names[id(layer.mlp.down_proj.weight)] = "up", "down"
-        layer.mlp.act_fn.register_forward_hook(lambda module, args, output: seen["act"].append(args[0].shape[:-1]))
+    activation = type(model.model.layers[0].mlp.act_fn)
+    act_forward = activation.forward
+    monkeypatch.setattr(activation, "forward", lambda self, x: seen["act"].append(x.shape[:-1]) or act_forward(self, x))
     linear = torch.nn.functional.linear
 
     def recorded(x, weight, bias=None):
@@ -87,7 +89,8 @@ def test_prefill_feed_forward_holds_fewer_activations_with_the_same_outputs(meth
                 kept = _generate(model, make, ids, mask, seen, **fields)
                 for handle in handles:
                     handle.remove()
-                assert seen["up"][:layers] == [(2, 80)] * layers and seen["act"][:1] == [(2, 1)]
+                assert seen["up"][:layers] == [(2, 80)] * layers
+                assert seen["act"][:1] == ([(2, 80)] if hook else [(2, 1)])  # hooked: the block's own forward
                 assert torch.equal(kept.sequences, whole.sequences)
                 assert all(torch.equal(a, b) for a, b in zip(whole.logits, kept.logits))
         own = _generate(model, make, ids[:, :30], mask[:, :30], seen, prefill_mlp_chunk=None)  # under dense_below
@@ -165,7 +168,8 @@ def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
     order and shapes, but for the activation and the product, which write into the gate projection's output (silu_,
     mul_): two fewer ``[tokens, intermediate_size]`` tensors, the same values. On more it runs them over slices of
     that many rows of the ``[tokens, hidden]`` view (no copy of the input), each slice's output copied into one
-    output: the same values to rounding."""
+    output: the same values to rounding. A hook on a child, a child's forward of its own or a global hook leave the
+    block its own forward, whole; a 2-D input runs in place too."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     block = LlamaMLP(tiny_config("llama", q_heads=2)).eval()
@@ -192,9 +196,28 @@ def test_a_silu_gated_mlp_runs_its_own_ops_with_the_gate_in_place():
     with torch.no_grad():
         with _Ops() as hooked:
             got = lean_forward(block, Slices(16, 16), x)
-    assert ("silu_", (1, 100, 64)) not in hooked.ops and len(seen) == 7  # sliced: the hook's outputs untouched
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(torch.cat(seen, dim=1), block.gate_proj(x), rtol=1e-6, atol=1e-6)
+        assert hooked.ops == own.ops and len(seen) == 1  # hooked: its own forward, the hook's output untouched
+        assert torch.equal(got, expected) and torch.equal(seen[0], block.gate_proj(x))
+    block.gate_proj._forward_hooks.clear()
+    watchers = [lambda: setattr(block.up_proj, "forward", functools.partial(torch.nn.Linear.forward, block.up_proj)),
+                lambda: block.act_fn.register_forward_pre_hook(lambda module, args: None),
+                lambda: torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)]
+    for watch in watchers:  # a forward of its own, a pre-hook on the activation, a global hook: its own forward
+        handle = watch()
+        with torch.no_grad():
+            with _Ops() as watched:
+                got = lean_forward(block, Slices(16, 16), x)
+        if handle is None:
+            del block.up_proj.forward
+        else:
+            handle.remove()
+        assert watched.ops == own.ops and torch.equal(got, expected)
+    flat = x.reshape(100, 32)  # another rank: in place too
+    with torch.no_grad():
+        with _Ops() as two_d:
+            got = lean_forward(block, Slices(100, 100), flat)
+        assert ("silu_", (100, 64)) in two_d.ops and ("silu", (100, 64)) not in two_d.ops
+        assert torch.equal(got, block(flat))
 
 
 def test_plain_projections_run_as_functions_with_the_same_ops_and_values(monkeypatch):
@@ -343,8 +366,10 @@ def test_row_slices_of_a_strided_input_give_the_whole_inputs_output():
     x = torch.randn(3, 50, 32)[:, ::2]
     assert not x.is_contiguous()
     with torch.no_grad():
-        got = lean_forward(block, Slices(16, 16), x)
+        with _Ops() as ops:
+            got = lean_forward(block, Slices(16, 16), x)
         expected = block(x)
+    assert [shape for name, shape in ops.ops if name == "silu_"] == [(16, 64)] * 4 + [(11, 64)]  # 75 rows
     assert got.shape == expected.shape == (3, 25, 32)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
