@@ -123,6 +123,9 @@ class SparseCacheLayer(CacheLayerMixin):
     #: Whether ``keys`` / ``values`` trail ``length`` (after :meth:`SparseCache.advance_host_length`: a graph
     #: replay wrote on the device); refreshed on their next read.
     _stale_views = False
+    #: Whether an int8 layer's scales of the slots past ``length`` are still to be zeroed (storage just grown: the
+    #: next write's launch zeroes them).
+    _scales_unset = False
 
     # Views of the storage over the valid slots, refreshed on read when stale (:class:`_View`): K ``[B, H, length,
     # D]``; V (int8 blocked values: the blocks holding ``length`` slots); an int8 layer's key and value scales
@@ -217,8 +220,13 @@ class SparseCacheLayer(CacheLayerMixin):
         else:
             values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
         if self.quantized:
-            key_scales = torch.zeros(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
-            value_scales = torch.zeros_like(key_scales)
+            # Slots past the kept ones hold zero scales (a reader of a static layer's whole storage multiplies
+            # them); the write that follows zeroes them in its own launch (quantize_append's clear_to), except
+            # while a CUDA graph captures (its write takes the device's start).
+            fill = torch.zeros if capturing(key_states.device) else torch.empty
+            key_scales = fill(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
+            value_scales = fill(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
+            self._scales_unset = fill is torch.empty
             if self.length:
                 key_scales[:, :, : self.length] = self.key_scale_storage[:, :, : self.length]
                 value_scales[:, :, : self.length] = self.value_scale_storage[:, :, : self.length]
@@ -235,6 +243,13 @@ class SparseCacheLayer(CacheLayerMixin):
         self.key_storage, self.value_storage = keys, values
         self.capacity = new_capacity
         self.version += 1
+
+    def _zero_unset_scales(self) -> None:
+        """Zero the scales of the slots past the kept ones, where a write that would have has not."""
+        if self._scales_unset:
+            self.key_scale_storage[:, :, self.length:] = 0
+            self.value_scale_storage[:, :, self.length:] = 0
+            self._scales_unset = False
 
     @property
     def values_blocked(self) -> bool:
@@ -289,9 +304,15 @@ class SparseCacheLayer(CacheLayerMixin):
         self.valid_blocks = None  # (a device-side append below writes them)
         if self.quantized:  # quantised per token and written in one op (one launch on Triton)
             first = self.length == 0 and not on_device
-            kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
-                                    self.key_scale_storage, self.value_scale_storage,
-                                    self.device_length if on_device else self.length)
+            try:
+                kernels.quantize_append(key_states, value_states, self.key_storage, self.value_storage,
+                                        self.key_scale_storage, self.value_scale_storage,
+                                        self.device_length if on_device else self.length,
+                                        self.capacity if self._scales_unset else 0)
+            except BaseException:
+                self._zero_unset_scales()
+                raise
+            self._scales_unset = False
             if on_device:
                 self.device_length.add_(key_states.shape[2])
             elif first:  # a first prefill attends over the states as given; later calls read the int8 copy

@@ -176,6 +176,47 @@ def test_int8_first_write_returns_its_states_and_the_int8_views_come_when_read()
 
 
 @pytest.mark.parametrize("backend", backends())
+def test_int8_storage_grows_uninitialised_and_its_writes_zero_the_scales_past_them(backend, monkeypatch):
+    """An int8 layer's grown scale storage is allocated uninitialised (poisoned here) and the write that follows
+    zeroes the scales past it in its own launch, on a first write and on a growth that keeps earlier slots; a
+    refused write zeroes them too; a static layer's whole storage (what its decode reads) stays finite."""
+    from hf_sparse import kernels
+    from hf_sparse.cache import SparseCacheLayer
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    monkeypatch.setattr(torch, "empty", functools.partial(lambda empty, *a, **k: empty(*a, **k).fill_(float("nan"))
+                                                          if k.get("dtype") == torch.float32 else empty(*a, **k),
+                                                          torch.empty))
+    gen = torch.Generator().manual_seed(12)
+    keys, values = torch.randn(2, 3, 75, 16, generator=gen), torch.randn(2, 3, 75, 16, generator=gen)
+    layer = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8")
+    launches = []
+    real = kernels.quantize_append
+    monkeypatch.setattr(kernels, "quantize_append", lambda *args: launches.append(args[-1]) or real(*args))
+    for first, end in [(0, 40), (40, 41), (41, 75)]:  # a first write (64 slots), a decode step, a growth (96)
+        layer.update(keys[:, :, first:end], values[:, :, first:end])
+        for scales in (layer.key_scale_storage, layer.value_scale_storage):
+            assert (scales[:, :, :end] > 0).all() and (scales[:, :, end:] == 0).all()
+        assert not layer._scales_unset
+    assert launches == [64, 0, 96] and layer.capacity == 96
+    expected, _ = ref.quantize_per_token(keys)
+    torch.testing.assert_close(layer.keys, expected, rtol=0, atol=0)
+
+    refused = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8")
+    refused.update(keys[:, :, :40], values[:, :, :40])
+    with pytest.raises(ValueError):  # 30 more tokens of another head count: the grown storage is not theirs
+        refused.update(keys[:, :, 40:70], values[:1, :, 40:70])
+    assert not refused._scales_unset and refused.length == 40
+    for scales in (refused.key_scale_storage, refused.value_scale_storage):
+        assert (scales[:, :, :40] > 0).all() and (scales[:, :, 40:] == 0).all()
+
+    static = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8", max_cache_len=200)
+    static.update(keys[:, :, :9], values[:, :, :9])
+    assert static.key_scale_storage.shape[2] == 208 and static.key_scale_storage.isfinite().all()
+    assert static.value_scale_storage.isfinite().all() and (static.value_scale_storage[:, :, 9:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", backends())
 def test_int8_cache_with_other_blocks_summarises_dequantized_keys(backend, monkeypatch):
     """An int8 cache whose block size is not the method's: the attention summarises its keys itself, dequantised
     (the summary op's int8 path), and selects as over a float cache holding the same dequantised states."""

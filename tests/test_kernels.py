@@ -1104,6 +1104,36 @@ def test_decode_linear_errors():
         kernels.decode_linear(x, [w, w], [None, None], rotary=(torch.ones(1, 3, 4), torch.ones(1, 3, 4)))
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("layout", ["tokens", "blocked"])
+@pytest.mark.parametrize("start, tokens, clear", [(0, 37, "all"), (0, 1, "all"), (5, 3, "some"), (9, 4, "none"),
+                                                  (0, 200, "all")])
+def test_quantize_append_clears_the_scales_past_the_write(size, layout, start, tokens, clear):
+    """With ``clear_to`` the write also zeroes the scales of the slots from its end to it (a fresh storage's tail,
+    longer or shorter than the write, ending on a run of the kernel's or not), bit-equal to the reference; the
+    slots before the write and past ``clear_to`` keep their contents."""
+    gen = torch.Generator().manual_seed(seed("append-clear", size, layout, start, tokens, clear))
+    batch, heads, slots, block = (2, 3, 208, 16) if size == "small" else (1, 4, 4352, 128)
+    end = start + tokens
+    clear_to = {"all": slots, "some": slots - 37, "none": end}[clear]
+    key_states = bnsd(batch, heads, tokens, 64, torch.bfloat16, "bnsd", gen)
+    value_states = bnsd(batch, heads, tokens, 32, torch.bfloat16, "bsnd", gen)
+    storages = []
+    for _ in range(2):
+        values = torch.full((batch, heads, slots, 32), 99, dtype=torch.int8, device=DEVICE)
+        storages.append((torch.full((batch, heads, slots, 64), 99, dtype=torch.int8, device=DEVICE),
+                         ref.blocked_values(values, block) if layout == "blocked" else values,
+                         torch.full((batch, heads, slots), float("nan"), device=DEVICE),
+                         torch.full((batch, heads, slots), float("nan"), device=DEVICE)))
+    ref.quantize_append(key_states, value_states, *storages[0], start, clear_to)
+    OPS["quantize_append"].quantize_append(key_states, value_states, *storages[1], start, clear_to)
+    for expected, got in zip(storages[0], storages[1]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    for scales in storages[1][2:]:
+        assert scales[:, :, :start].isnan().all() and scales[:, :, clear_to:].isnan().all()
+        assert (scales[:, :, start:end] > 0).all() and (scales[:, :, end:clear_to] == 0).all()
+
+
 def test_quantize_append_errors():
     """Storage that does not match the states, that is not contiguous, or slots past its end, get a clear error."""
     states = torch.randn(1, 2, 4, 16)
@@ -1120,6 +1150,19 @@ def test_quantize_append_errors():
         kernels.quantize_append(states, states, strided, values, scales, scales.clone(), 0)
     with pytest.raises(ValueError, match="value_scales must be contiguous"):
         kernels.quantize_append(states, states, keys, values, scales, torch.zeros(1, 32, 2).transpose(1, 2), 0)
+    with pytest.raises(ValueError, match="clear_to must be 0 or from the write's end, 8, to the storage's 32"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, 7)
+    with pytest.raises(ValueError, match="clear_to must be 0 or from"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, 33)
+    with pytest.raises(ValueError, match="clear_to needs an integer start"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), torch.tensor([4]), 32)
+    with pytest.raises(TypeError, match="clear_to must be an integer"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, 32.0)
+    kept = scales.clone()
+    for clear_to in (7, 33):  # a refused call writes nothing
+        with pytest.raises(ValueError):
+            kernels.quantize_append(states, states, keys, values, scales, scales, 4, clear_to)
+    torch.testing.assert_close(scales, kept, rtol=0, atol=0)
 
 
 def test_append_input_checks_pass_and_refuse():

@@ -236,9 +236,11 @@ def decode_linear(x, weights, biases, norm_weight=None, eps=0.0, residual=None, 
     return reference.decode_linear(x, weights, biases, norm_weight, eps, residual, gated, rotary)
 
 
-def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start):
-    """See :func:`reference.quantize_append` (the int8 cache's writes; one launch on Triton)."""
-    args = (key_states, value_states, key_storage, value_storage, key_scales, value_scales, start)
+def quantize_append(key_states, value_states, key_storage, value_storage, key_scales, value_scales, start,
+                    clear_to=0):
+    """See :func:`reference.quantize_append` (the int8 cache's writes, and the zeroing of a fresh storage's
+    scales past them; one launch on Triton)."""
+    args = (key_states, value_states, key_storage, value_storage, key_scales, value_scales, start, clear_to)
     check_append_inputs(*args)
     if backend_for(key_states) == "triton":
         return _on_device(_TRITON_OPS[7].quantize_append, *args)

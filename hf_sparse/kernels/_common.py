@@ -119,7 +119,7 @@ def check_append_kv_inputs(key_states: torch.Tensor, value_states: torch.Tensor,
 
 def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                         value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
-                        start: int | torch.Tensor) -> None:
+                        start: int | torch.Tensor, clear_to: int = 0) -> None:
     """Raise a clear error for a ``quantize_append`` call the ops do not take (a device-side ``start`` is not
     range-checked: that would read it back to the host). Every int8 layer's write calls it, and a short prefill is
     bound by the host: a passing call builds no messages and loops over no tensors."""
@@ -159,11 +159,20 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
     if not (value_states.device == device and key_storage.device == device and value_storage.device == device
             and key_scales.device == device and value_scales.device == device):
         raise ValueError("states, storage and scales must be on one device")
+    if clear_to.__class__ is not int:
+        try:
+            clear_to = operator.index(clear_to) if not isinstance(clear_to, bool) else None
+        except TypeError:
+            clear_to = None
+        if clear_to is None:
+            raise TypeError("clear_to must be an integer")
     if isinstance(start, torch.Tensor):
         if (start.numel() != 1 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool
                 or start.device != device):
             raise ValueError(f"a tensor start must be one integer element on {device}, got "
                              f"{tuple(start.shape)} {start.dtype} on {start.device}")
+        if clear_to:
+            raise ValueError("clear_to needs an integer start (a tensor start is not read on the host)")
         return
     try:
         first = operator.index(start) if not isinstance(start, bool) else None
@@ -173,6 +182,9 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
         raise TypeError(f"start must be an integer or a one-element integer tensor, got {start!r}")
     if not 0 <= first <= slots - tokens:
         raise ValueError(f"slots {first}..{first + tokens} do not fit the storage's {slots}")
+    if clear_to and not first + tokens <= clear_to <= slots:
+        raise ValueError(f"clear_to must be 0 or from the write's end, {first + tokens}, to the storage's {slots} "
+                         f"slots, got {clear_to}")
 
 
 _SM_COUNTS: dict[int, int] = {}

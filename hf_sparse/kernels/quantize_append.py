@@ -5,6 +5,8 @@ token's key and value, takes ``max|x| / 127`` as its scale, rounds ``x / scale``
 even, as ``torch.round``; divisions rounded as IEEE float32, so the result is bit-equal to the reference) and
 stores the int8 values (the values token-major or blocked) and both scales. With a device-side start (a static
 cache's valid-slot count) the launch reads no host state: a decode step's append captures into a CUDA graph.
+With ``clear_to`` the same launch zeroes the scales of the slots from the write's end to it (a fresh storage's,
+which the cache allocates uninitialised: one launch per layer instead of three on a prefill bound by the host).
 """
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ def _quantize_append_kernel(
     KEYS, VALUES, K_OUT, V_OUT, K_SCALES, V_SCALES, START,
     stride_xb, stride_xh, stride_xs, stride_xd,
     stride_yb, stride_yh, stride_ys, stride_yd,
-    slots, value_slots, start,
+    slots, value_slots, start, clear_to,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, V_BLOCK: tl.constexpr, DEVICE_START: tl.constexpr,
+    DV_PAD: tl.constexpr, V_BLOCK: tl.constexpr, DEVICE_START: tl.constexpr, CLEAR_RUN: tl.constexpr,
 ):
     token = tl.program_id(0)  # the long axis: a prefill appends up to the whole prompt
     pid = tl.program_id(1)
@@ -66,6 +68,15 @@ def _quantize_append_kernel(
     tl.store(v_out, v8, mask=dv_ok)
     tl.store(V_SCALES + row + slot, v_scale)
 
+    # Slots [end, clear_to) get zero scales: this program clears every (tokens)-th run of CLEAR_RUN from its own.
+    programs = tl.num_programs(0)
+    offs_c = tl.arange(0, CLEAR_RUN)
+    zeros = tl.zeros([CLEAR_RUN], tl.float32)
+    for first in range(start + programs + token * CLEAR_RUN, clear_to, programs * CLEAR_RUN):
+        at = first + offs_c
+        tl.store(K_SCALES + row + at, zeros, mask=at < clear_to)
+        tl.store(V_SCALES + row + at, zeros, mask=at < clear_to)
+
 
 #: The kernel's launches (:class:`hf_sparse.kernels._launch.Launcher`).
 _LAUNCH = Launcher(_quantize_append_kernel)
@@ -73,7 +84,7 @@ _LAUNCH = Launcher(_quantize_append_kernel)
 
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                     value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
-                    start: int | torch.Tensor) -> None:
+                    start: int | torch.Tensor, clear_to: int = 0) -> None:
     """Triton version of :func:`hf_sparse.kernels.reference.quantize_append` (same arguments, same bits)."""
     batch, heads, tokens, head_dim = key_states.shape
     head_dim_v = value_states.shape[-1]
@@ -90,8 +101,9 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
         (key_states, value_states, key_storage, value_storage, key_scales, value_scales,
          start if device_start else key_scales, *key_states.stride(), *value_states.stride(), key_storage.shape[2],
          value_storage.shape[2] * value_block if value_block else value_storage.shape[2],
-         0 if device_start else int(start)),
+         0 if device_start else int(start), int(clear_to)),
         dict(HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, D_PAD=max(16, next_power_of_2(head_dim)),
-             DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start),
+             DV_PAD=max(16, next_power_of_2(head_dim_v)), V_BLOCK=value_block, DEVICE_START=device_start,
+             CLEAR_RUN=128),
         num_warps=1,
     )

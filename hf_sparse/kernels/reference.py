@@ -556,12 +556,13 @@ def valid_blocks(length: torch.Tensor | int, starts: torch.Tensor, block_size: i
 
 def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_storage: torch.Tensor,
                     value_storage: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
-                    start: int | torch.Tensor) -> None:
+                    start: int | torch.Tensor, clear_to: int = 0) -> None:
     """Quantise ``[B, H, n, D]`` key and value states per token (:func:`quantize_per_token`) and write them at
     slots ``start + [0, n)`` of int8 storage (keys ``[B, H, S, D]``, values token-major ``[B, H, S, Dv]`` or
     blocked: :func:`blocked_values`) and their float32 scales ``[B, H, S]``. ``start`` is an int, or a
     one-element integer tensor on the states' device (a static cache's valid-slot count: nothing is read back to
-    the host)."""
+    the host). ``clear_to`` (0, or from ``start + n`` to ``S``; with an int start) also sets the scales of slots
+    ``[start + n, clear_to)`` to zero: a fresh storage's slots past the write."""
     tokens = key_states.shape[2]
     if isinstance(start, torch.Tensor):
         positions = start.reshape(1).long() + torch.arange(tokens, device=start.device)
@@ -575,6 +576,8 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
             storage.transpose(-1, -2)[:, :, positions // block, positions % block] = quantized
         else:
             storage.index_copy_(2, positions, quantized)
+        if clear_to:
+            scales[:, :, start + tokens: clear_to] = 0
 
 
 def blocked_values(value: torch.Tensor, block: int) -> torch.Tensor:
