@@ -221,9 +221,9 @@ class SparseCacheLayer(CacheLayerMixin):
             values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1], dtype=storage_dtype)
         if self.quantized:
             # Slots past the kept ones hold zero scales (a reader of a static layer's whole storage multiplies
-            # them); the write that follows zeroes them in its own launch (quantize_append's clear_to), except
-            # while a CUDA graph captures (its write takes the device's start).
-            fill = torch.zeros if capturing(key_states.device) else torch.empty
+            # them). A prefill's write zeroes them in its own launch (quantize_append's clear_to: a short prefill
+            # is bound by the host's launches); a decode-sized write's few programs would clear a long tail slowly.
+            fill = torch.empty if key_states.shape[2] > DECODE_MAX_QUERY else torch.zeros
             key_scales = fill(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
             value_scales = fill(batch, heads, new_capacity, dtype=torch.float32, device=key_states.device)
             self._scales_unset = fill is torch.empty

@@ -179,7 +179,8 @@ def test_int8_first_write_returns_its_states_and_the_int8_views_come_when_read()
 def test_int8_storage_grows_uninitialised_and_its_writes_zero_the_scales_past_them(backend, monkeypatch):
     """An int8 layer's grown scale storage is allocated uninitialised (poisoned here) and the write that follows
     zeroes the scales past it in its own launch, on a first write and on a growth that keeps earlier slots; a
-    refused write zeroes them too; a static layer's whole storage (what its decode reads) stays finite."""
+    refused write zeroes them too; a static layer's whole storage (what its decode reads) stays finite; a
+    decode-sized write's growth allocates them zeroed."""
     from hf_sparse import kernels
     from hf_sparse.cache import SparseCacheLayer
 
@@ -211,9 +212,14 @@ def test_int8_storage_grows_uninitialised_and_its_writes_zero_the_scales_past_th
         assert (scales[:, :, :40] > 0).all() and (scales[:, :, 40:] == 0).all()
 
     static = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8", max_cache_len=200)
-    static.update(keys[:, :, :9], values[:, :, :9])
-    assert static.key_scale_storage.shape[2] == 208 and static.key_scale_storage.isfinite().all()
-    assert static.value_scale_storage.isfinite().all() and (static.value_scale_storage[:, :, 9:] == 0).all()
+    static.update(keys[:, :, :20], values[:, :, :20])
+    assert launches[-1] == 208 and static.key_scale_storage.shape[2] == 208
+    assert static.key_scale_storage.isfinite().all() and static.value_scale_storage.isfinite().all()
+    assert (static.value_scale_storage[:, :, 20:] == 0).all()
+
+    short = SparseCacheLayer(block_size=16, chunk_blocks=2, kv_dtype="int8", max_cache_len=200)
+    short.update(keys[:, :, :3], values[:, :, :3])  # a decode-sized write: the storage is allocated zeroed
+    assert launches[-1] == 0 and (short.key_scale_storage[:, :, 3:] == 0).all()
 
 
 @pytest.mark.parametrize("backend", backends())

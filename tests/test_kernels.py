@@ -1107,7 +1107,7 @@ def test_decode_linear_errors():
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("layout", ["tokens", "blocked"])
 @pytest.mark.parametrize("start, tokens, clear", [(0, 37, "all"), (0, 1, "all"), (5, 3, "some"), (9, 4, "none"),
-                                                  (0, 200, "all")])
+                                                  (0, 200, "all"), (6, 0, "all")])
 def test_quantize_append_clears_the_scales_past_the_write(size, layout, start, tokens, clear):
     """With ``clear_to`` the write also zeroes the scales of the slots from its end to it (a fresh storage's tail,
     longer or shorter than the write, ending on a run of the kernel's or not), bit-equal to the reference; the
@@ -1158,6 +1158,12 @@ def test_quantize_append_errors():
         kernels.quantize_append(states, states, keys, values, scales, scales.clone(), torch.tensor([4]), 32)
     with pytest.raises(TypeError, match="clear_to must be an integer"):
         kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, 32.0)
+    with pytest.raises(TypeError, match="clear_to must be an integer"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, torch.tensor(32))
+    with pytest.raises(TypeError, match="clear_to must be an integer"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, True)
+    with pytest.raises(ValueError, match="clear_to must be 0 or from"):
+        kernels.quantize_append(states, states, keys, values, scales, scales.clone(), 4, -1)
     kept = scales.clone()
     for clear_to in (7, 33):  # a refused call writes nothing
         with pytest.raises(ValueError):

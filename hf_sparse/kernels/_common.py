@@ -160,12 +160,13 @@ def check_append_inputs(key_states: torch.Tensor, value_states: torch.Tensor, ke
             and key_scales.device == device and value_scales.device == device):
         raise ValueError("states, storage and scales must be on one device")
     if clear_to.__class__ is not int:
+        given = clear_to
         try:
-            clear_to = operator.index(clear_to) if not isinstance(clear_to, bool) else None
+            clear_to = None if isinstance(given, (bool, torch.Tensor)) else operator.index(given)
         except TypeError:
             clear_to = None
         if clear_to is None:
-            raise TypeError("clear_to must be an integer")
+            raise TypeError(f"clear_to must be an integer (not a tensor or bool), got {given!r}")
     if isinstance(start, torch.Tensor):
         if (start.numel() != 1 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool
                 or start.device != device):

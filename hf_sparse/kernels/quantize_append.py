@@ -69,10 +69,10 @@ def _quantize_append_kernel(
     tl.store(V_SCALES + row + slot, v_scale)
 
     # Slots [end, clear_to) get zero scales: this program clears every (tokens)-th run of CLEAR_RUN from its own.
-    programs = tl.num_programs(0)
+    programs = tl.num_programs(0).to(tl.int64)
     offs_c = tl.arange(0, CLEAR_RUN)
     zeros = tl.zeros([CLEAR_RUN], tl.float32)
-    for first in range(start + programs + token * CLEAR_RUN, clear_to, programs * CLEAR_RUN):
+    for first in range(start + programs + token.to(tl.int64) * CLEAR_RUN, clear_to, programs * CLEAR_RUN):
         at = first + offs_c
         tl.store(K_SCALES + row + at, zeros, mask=at < clear_to)
         tl.store(V_SCALES + row + at, zeros, mask=at < clear_to)
@@ -88,7 +88,10 @@ def quantize_append(key_states: torch.Tensor, value_states: torch.Tensor, key_st
     """Triton version of :func:`hf_sparse.kernels.reference.quantize_append` (same arguments, same bits)."""
     batch, heads, tokens, head_dim = key_states.shape
     head_dim_v = value_states.shape[-1]
-    if batch * heads * tokens == 0:
+    if batch * heads * tokens == 0:  # nothing to write; the tail to clear starts at start
+        if clear_to:
+            key_scales[:, :, start:clear_to] = 0
+            value_scales[:, :, start:clear_to] = 0
         return
     if batch * heads > 65535:  # the grid's second axis
         raise ValueError(f"quantize_append takes at most 65535 (batch x heads) rows, got {batch} x {heads}")
