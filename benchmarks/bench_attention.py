@@ -90,6 +90,7 @@ import torch
 from _common import (GEMMA2_9B_ATTENTION, LLAMA3_8B_ATTENTION, SMOLLM2_ATTENTION, best_sdpa, cell, environment,
                      graph_ms, header, median_ms, progress, require_cuda, speedup, structured_qkv, table, write_json)
 from hf_sparse import kernels
+from hf_sparse import key_scorer
 from hf_sparse.config import PLASConfig, XAttnConfig
 from hf_sparse.kernels import reference as ref, sparse_prefill
 from hf_sparse.methods import METHODS
@@ -788,7 +789,6 @@ def random_directions(rank: int, seed: int = 0) -> torch.Tensor:
 def key_scorer_rows(length: int, rank: int, flex, device: str = "cuda") -> list[dict]:
     """PLAS's prefill selection by mean pooling and by the key scorer of ``rank`` random directions, each with its
     attention, against SDPA and FlexAttention over the row's own mask."""
-    from hf_sparse import key_scorer
 
     query, key, value = structured_qkv(1, length, length, shape=SHAPE, device=device)
     kv_start = RowLayout.uniform(1, device)

@@ -31,7 +31,7 @@ process does. Its time is left out, its peak memory reported ("first call" below
   untimed generate(max_new_tokens=8) under hf_sparse.record_sparsity() (--no-density skips it); 1.000 = every
   layer ran dense.
 * --fidelity: next-token KL(sdpa || method) and top-1 agreement over the prompt's last 256 positions, and KL at
-  the last one (hf_sparse.eval.fidelity).
+  the last one (hf_sparse.tools.eval.fidelity).
 * "tokens = sdpa('s)": the leading new tokens (of the largest N) equal to sdpa's, or, marked "(static)", to
   sdpa-static's where sdpa ran for TTFT only (transformers' compiled step rounds otherwise than eager decode: its
   greedy tokens can leave eager sdpa's).
@@ -45,7 +45,7 @@ its peak. --batch N repeats the prompt N times (peak memory and TPOT of a batch)
 
 Models (--model): "llama3-8b-random" (default; Llama-3-8B shape, random weights, uniform random token ids, or
 --segment-vocab N ids per 2048-token segment), "smollm2-random", and "smollm2": the trained SmolLM2-135M-Instruct
-(hf_sparse.default_model, or --gguf FILE) on the standard library's source text (hf_sparse.eval.stdlib_text);
+(hf_sparse.tools.default_model, or --gguf FILE) on the standard library's source text (hf_sparse.tools.eval.stdlib_text);
 with --long-context its long-context version (load_default_model(long_context=True): YaRN and the shipped adapter),
 the model bench_quality.py --long-context judges the defaults on.
 Random weights give i.i.d.-like queries and keys: selections are nearly dense there and such a run measures
@@ -82,7 +82,7 @@ from _common import (add_model_arguments, add_parallel_arguments, cell, environm
                      interleaved, load_model, method_name, progress, rank, require_cuda, save_figure, speedup,
                      start_parallel, table, use_method, write_json)
 from hf_sparse import graphs, record_sparsity
-from hf_sparse.eval import fidelity
+from hf_sparse.tools.eval import fidelity
 
 METHODS = ["sdpa", "sdpa-static"] + [f"{name}{option}" for name in ("plas", "xattn")
                                      for option in ("", "-eager", "-int8", "-eager-int8")] + ["star", "star-eager"]

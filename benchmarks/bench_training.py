@@ -22,7 +22,7 @@ import torch
 
 import hf_sparse
 from hf_sparse.gates import gate_spec
-from hf_sparse.training import probe_layers
+from hf_sparse.tools.probe import probe_layers
 
 from _common import add_model_arguments, environment, header, load_model, require_cuda, save_figure, write_json
 
@@ -33,8 +33,8 @@ def training_ids(loaded, seq_length: int, count: int) -> torch.Tensor:
     if loaded.tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         return torch.randint(0, loaded.model.config.vocab_size, (count, seq_length), generator=generator)
-    from hf_sparse.eval import stdlib_training_files
-    from hf_sparse.training import read_text_files, token_stream
+    from hf_sparse.tools.eval import stdlib_training_files
+    from hf_sparse.tools.text_data import read_text_files, token_stream
 
     return token_stream(read_text_files(stdlib_training_files()), loaded.tokenizer,
                         count * seq_length).view(count, seq_length)

@@ -13,8 +13,8 @@ import time
 import torch
 
 import hf_sparse
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import PASSKEY_FILLER as FILLER, PASSKEY_INSTRUCTION, PASSKEY_QUESTION, passkey_needle
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import PASSKEY_FILLER as FILLER, PASSKEY_INSTRUCTION, PASSKEY_QUESTION, passkey_needle
 
 
 def passkey_prompt(tokenizer, target_tokens: int, seed: int) -> tuple[str, str]:

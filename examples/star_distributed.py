@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_sparse  # noqa: F401  (registers attn_implementation="star")
 from hf_sparse import star_attention
 from hf_sparse.config import StarConfig
-from hf_sparse.default_model import load_default_model
+from hf_sparse.tools.default_model import load_default_model
 
 from generate import passkey_prompt
 

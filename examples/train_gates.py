@@ -8,7 +8,7 @@ stdlib ``*.py`` file in a seeded shuffled order. Prints two tables:
 * block scores (``hf_sparse.evaluate_gates``) at equal density: every query selects the same number of blocks
   with either gate set; KL and top-1 of the predicted block distribution against the dense attention's
   max-pooled block distribution, and the dense attention mass recalled by the selected blocks;
-* the model itself (``hf_sparse.eval.fidelity``) running sparse prefill with ``--top-k`` / ``--query-union``:
+* the model itself (``hf_sparse.tools.eval.fidelity``) running sparse prefill with ``--top-k`` / ``--query-union``:
   next-token KL and top-1 agreement with dense attention, the measured density and the recall.
 
 The defaults take a few minutes on 2 CPU cores. docs/gates.md lists the settings of the measured table.
@@ -27,10 +27,10 @@ from typing import Iterator
 import torch
 
 import hf_sparse
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import fidelity
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import fidelity
 from hf_sparse.gates import set_gates
-from hf_sparse.training import read_text_files, token_stream
+from hf_sparse.tools.text_data import read_text_files, token_stream
 
 
 def split_stdlib(tokenizer, eval_tokens: int, seed: int) -> tuple[torch.Tensor, Iterator[str]]:
@@ -106,7 +106,7 @@ def main() -> None:
         top_k = tuple(int(k) for k in args.top_k.split(","))
         plas = hf_sparse.PLASConfig(block_size=args.block_size, prefill_top_k=top_k, query_union=args.query_union,
                                     dense_below=0)
-        print(f"\nsparse prefill vs dense (hf_sparse.eval.fidelity), block_size {args.block_size}, "
+        print(f"\nsparse prefill vs dense (hf_sparse.tools.eval.fidelity), block_size {args.block_size}, "
               f"prefill_top_k {top_k}, query_union {args.query_union}, last 256 positions")
         print(f"{'gates':<14} {'next-token KL':>13} {'top-1':>7} {'recall':>7} {'density':>8}")
         for name, gates in (("mean pooling", None), ("trained", result.gates)):

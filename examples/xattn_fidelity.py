@@ -17,8 +17,8 @@ import torch
 
 import hf_sparse
 from hf_sparse.config import XAttnConfig
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import stdlib_text
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import stdlib_text
 
 
 def use(model, config: XAttnConfig | None) -> None:

@@ -19,8 +19,7 @@ from . import density, kernels, plan
 from .cache import DECODE_MAX_QUERY, cache_layer_of
 from .config import method_config
 from .dense import dense_attention, dequantized_kv, logn_base_for, logn_scaled
-from .gates import get_gate_weight
-from .key_scorer import get_key_directions
+from .gates import get_gate_weight, get_key_directions
 from .methods import METHODS
 from .padding import row_layout
 from .plan import ALL_BLOCKS, DENSE, Call, Plan

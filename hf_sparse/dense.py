@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
@@ -64,8 +65,6 @@ def eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     capped, ``tanh(s / softcap) * softcap``, before the additive mask; softmax in float32) and GPT-OSS's sinks
     (``models/gpt_oss``: a column of the sink logits appended to the masked scores, the row maximum subtracted,
     softmax in the scores' dtype, the sink column dropped). Returns ``(output [B, Sq, Hq, Dv], None)``."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
     group = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, group), repeat_kv(value, group)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

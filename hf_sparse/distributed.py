@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 import torch.distributed as dist
 
 from . import kernels
@@ -76,9 +78,6 @@ def tensor_parallel_kwargs(plan: Any = "auto") -> dict[str, Any]:
     """``from_pretrained``'s keyword arguments for tensor parallelism with ``plan`` on the installed transformers:
     ``tp_plan=plan`` up to 5.17, ``distributed_config=DistributedConfig(tp_plan=plan)`` from 5.18 (which deprecates
     the former)."""
-    import transformers
-    from packaging.version import Version
-
     if Version(transformers.__version__).release >= (5, 18) and hasattr(transformers, "DistributedConfig"):
         return {"distributed_config": transformers.DistributedConfig(tp_plan=plan)}
     return {"tp_plan": plan}

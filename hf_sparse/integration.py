@@ -22,6 +22,7 @@ from .plan import LAST_LAYER_ROWS, ReadRows
 from .rope_scaling import check_context_length
 from .cache import CACHE_KWARG, SparseCache, block_size_for, kv_dtype_for
 from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
+from .gate_files import autoload_gates, save_gates_alongside
 from .star_attention import star_attention_forward
 
 logger = logging.getLogger(__name__)
@@ -250,8 +251,6 @@ def _from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
     result = _ORIGINAL["from_pretrained"](cls, *args, **kwargs)
     model = result[0] if isinstance(result, tuple) else result
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "plas":
-        from .gates import autoload_gates
-
         autoload_gates(model, revision=kwargs.get("revision"))
     return result
 
@@ -260,8 +259,6 @@ def _save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> An
     """``save_pretrained``, then the attached PLAS gates (if any) into the same folder (on the main process; under
     tensor parallelism every rank takes part in gathering their heads)."""
     result = _ORIGINAL["save_pretrained"](self, save_directory, *args, **kwargs)
-    from .gates import save_gates_alongside
-
     is_main_process = args[0] if args else kwargs.get("is_main_process", True)  # save_pretrained's second parameter
     save_gates_alongside(self, save_directory, is_main_process=bool(is_main_process))
     return result

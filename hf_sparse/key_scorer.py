@@ -21,104 +21,14 @@ default.
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Collection, Mapping
-
 import torch
 
 from . import kernels
-from .gates import attached_on_device
+from .log import warn_once
 from .selection import BlockSelection, RowLayout, row_starts
 
-#: Where the directions sit on an attention module (outside its state dict).
-_ATTR = "_hf_sparse_key_directions"
 #: Largest float32 score tensor of one chunk of queries (all heads, every block).
 CHUNK_BYTES = 256 * 2 ** 20
-
-
-def get_key_directions(module: torch.nn.Module) -> torch.Tensor | None:
-    """The key directions ``[kv_heads, R, head_dim]`` attached to an attention module, on its device (moved once,
-    on first use, after ``model.to(device)``), or ``None``."""
-    return attached_on_device(module, _ATTR)
-
-
-def set_key_directions(model: torch.nn.Module, directions: Mapping[int, torch.Tensor] | None) -> None:
-    """Attach ``{layer: [kv_heads, R, head_dim]}`` to the model's attention modules (``None``: remove them all).
-    Layers not named keep none. Raises ``ValueError`` naming a layer the model lacks or a tensor of the wrong
-    shape (its KV heads or head dim not the model's), before attaching anything."""
-    from .gates import attention_modules, gate_spec
-
-    modules = attention_modules(model)
-    if directions is None:
-        for module in modules.values():
-            module.__dict__.pop(_ATTR, None)
-        return
-    spec = gate_spec(model)
-    problem = directions_problem(directions, spec.kv_heads, spec.head_dim, modules.keys())
-    if problem:
-        raise ValueError(problem)
-    checked = {layer: tensor.detach().float() for layer, tensor in directions.items()}
-    for layer, module in modules.items():
-        if layer in checked:
-            module.__dict__[_ATTR] = checked[layer]
-        else:
-            module.__dict__.pop(_ATTR, None)
-
-
-def directions_problem(directions: Mapping[int, torch.Tensor], kv_heads: int, head_dim: int,
-                       layers: range | Collection[int]) -> str | None:
-    """What makes ``{layer: [kv_heads, R, head_dim]}`` key directions unusable for a model whose attention
-    layers are ``layers`` (a layer it lacks, another shape, several ranks R, not finite floats), or ``None``: the one
-    check of attaching, writing and reading them."""
-    for layer, tensor in sorted(directions.items()):
-        if layer not in layers:
-            named = f"0..{layers[-1]}" if isinstance(layers, range) and layers else ", ".join(map(str, sorted(layers)))
-            return f"key directions for layer {layer}, but the model's attention layers are {named}"
-        if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != (kv_heads, head_dim) or tensor.shape[1] < 1:
-            return (f"layer {layer}: key directions of shape {tuple(tensor.shape)}, expected [kv_heads={kv_heads}, "
-                    f"R >= 1, head_dim={head_dim}]")
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.float()).all()):
-            return f"layer {layer}: key directions are not finite floats"
-    ranks = sorted({tensor.shape[1] for tensor in directions.values()})
-    if len(ranks) > 1:
-        return f"key directions of several ranks {ranks}: one rank per model"
-    return None
-
-
-@torch.no_grad()
-def fit_key_directions(model: Any, windows: torch.Tensor, rank: int, layers: list[int] | None = None,
-                       progress: bool = True) -> dict[int, torch.Tensor]:
-    """Per layer, the top ``rank`` principal directions ``[kv_heads, rank, head_dim]`` (float32, orthonormal rows)
-    of the post-RoPE keys of ``windows`` (``[N, L]`` token ids, one forward each with dense attention), centred per
-    KV head. ``layers``: which (default: every attention layer)."""
-    from tqdm.auto import tqdm
-
-    from .gates import attention_modules, gate_spec
-    from .training import probe_layers
-
-    if windows.dim() != 2 or windows.shape[0] < 1:
-        raise ValueError(f"windows must be [N >= 1, L] token ids, got {tuple(windows.shape)}")
-    head_dim = gate_spec(model).head_dim
-    if not 1 <= rank <= head_dim:
-        raise ValueError(f"rank must be 1..{head_dim} (the head dim), got {rank}")
-    layers = sorted(attention_modules(model)) if layers is None else sorted(layers)
-    moments: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-
-    def collect(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
-        keys = key.float()[0]  # [Hkv, L, D] of the window
-        total, outer, count = moments.get(layer, (0, 0, 0))
-        moments[layer] = (total + keys.sum(1), outer + keys.mT @ keys, count + keys.shape[1])
-
-    device = next(model.parameters()).device
-    for window in tqdm(windows, desc="fitting key directions", unit="window", disable=not progress):
-        probe_layers(model, window[None].to(device), layers, collect)
-    directions = {}
-    for layer, (total, outer, count) in moments.items():
-        mean = total / count
-        covariance = outer / count - mean[:, :, None] * mean[:, None, :]
-        vectors = torch.linalg.eigh(covariance).eigenvectors  # ascending eigenvalues
-        directions[layer] = vectors[..., -rank:].flip(-1).mT.contiguous().cpu()
-    return directions
 
 
 def _projected(query: torch.Tensor, key: torch.Tensor, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +88,6 @@ def select_prefill(query: torch.Tensor, key: torch.Tensor, directions: torch.Ten
     if kernels.backend_for(query) != "triton":  # the reference pools a [.., Sq, Sk] logit matrix
         per_query *= block_size
     if padded and per_query * num_queries > CHUNK_BYTES:
-        from .plan import warn_once  # (plan imports the methods, which import this module)
 
         warn_once("key scorer padded chunk", "hf_sparse's key scorer scores a left-padded batch in one chunk: %.1f GiB "
                   "of block scores at once; run long prompts one row at a time", per_query * num_queries / 2 ** 30)
@@ -204,67 +113,3 @@ def select_prefill(query: torch.Tensor, key: torch.Tensor, directions: torch.Ten
     return BlockSelection(indices=torch.cat([part.indices for part in parts], 2),
                           counts=torch.cat([part.counts for part in parts], 2), block_size=block_size,
                           query_tile=query_tile)
-
-
-def add_fit_key_scorer_command(subparsers: Any) -> Any:
-    """Add ``fit-key-scorer`` to the ``hf-sparse`` command's subparsers."""
-    from .gates import GATE_FILENAME
-
-    parser = subparsers.add_parser(
-        "fit-key-scorer", help="fit PLAS's key directions (a block scorer that sees the keys) on text files",
-        description="Fit each layer's key directions on windows of text (one dense forward each) and write them "
-                    f"to --out/{GATE_FILENAME} (gate file version 2; hf_sparse.load_gates attaches them).")
-    parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
-    parser.add_argument("--long-context", action="store_true",
-                        help="with --model default: the long-context default model (YaRN and the shipped adapter)")
-    parser.add_argument("--data", nargs="+", default=["stdlib"],
-                        help="text files, globs (** allowed) or folders; 'stdlib' (default) = the standard library's "
-                             "package sources (hf_sparse.eval.stdlib_training_files)")
-    parser.add_argument("--rank", type=int, default=16, help="directions per KV head (default 16)")
-    parser.add_argument("--windows", type=int, default=4, help="windows of text (default 4)")
-    parser.add_argument("--length", type=int, default=32768, help="tokens per window (default 32768)")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(run=_run_fit_key_scorer)
-    return parser
-
-
-def _run_fit_key_scorer(args: Any) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .eval import stdlib_training_files
-    from .gates import GATE_FILENAME, save_gates
-    from .training import pack_sequences, read_text_files, token_stream
-
-    if args.rank < 1 or args.windows < 1 or args.length < 2:
-        raise SystemExit("--rank, --windows must be >= 1 and --length >= 2")
-    if args.long_context and args.model != "default":
-        raise SystemExit("--long-context needs --model default")
-    if (Path(args.out) / GATE_FILENAME).exists():
-        raise SystemExit(f"{Path(args.out) / GATE_FILENAME} exists: give --out a folder without a gate file (its "
-                         "gates would be lost)")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if args.model == "default":
-        from .default_model import load_default_model
-
-        try:
-            model, tokenizer = load_default_model("sdpa", dtype, device, max_length=args.length,
-                                                  long_context=args.long_context)
-        except FileNotFoundError as error:
-            raise SystemExit(str(error)) from None
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model.eval()
-    patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]
-    ids = pack_sequences(token_stream(read_text_files(patterns), tokenizer, args.length * args.windows), args.length)
-    if ids.shape[0] < args.windows:
-        raise SystemExit(f"--data holds {ids.shape[0]} windows of {args.length} tokens, {args.windows} asked")
-    directions = fit_key_directions(model, ids[:args.windows], args.rank, progress=not args.no_progress)
-    set_key_directions(model, directions)
-    path = save_gates(model, args.out, GATE_FILENAME)
-    print(f"fitted {len(directions)} layer(s) x {args.rank} key directions on {args.windows} windows of "
-          f"{args.length} tokens; wrote {path}")
-    return 0

@@ -39,7 +39,9 @@ import torch
 from . import density, kernels
 from .cache import DECODE_MAX_QUERY
 from .config import config_value, stored_config
+from .log import warn_once
 from .methods import METHODS
+from .methods.star import StarMethod
 from .padding import holds_no_padding, row_layout
 from .recording import recording
 from .selection import RowLayout
@@ -89,16 +91,6 @@ def call_phase(num_queries: int, key_length: int) -> str:
 def asks_more_than_sdpa(kwargs: dict[str, Any]) -> bool:
     """Whether a call's keyword arguments set any of :data:`_UNUSUAL_KWARGS`. Most calls pass none: one set test."""
     return not _UNUSUAL_KWARGS.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _UNUSUAL_KWARGS)
-
-
-_WARNED: set[str] = set()
-
-
-def warn_once(topic: str, message: str, *args: Any) -> None:
-    """Log ``message`` as a warning the first time ``topic`` comes up in this process."""
-    if topic not in _WARNED:
-        _WARNED.add(topic)
-        logger.warning(message, *args)
 
 
 def check_inputs(kwargs: dict[str, Any], query: torch.Tensor, computed: tuple[str, ...] = (),
@@ -467,8 +459,6 @@ def plan_star(call: Call, run: Any) -> StarPlan:
     left padding), ``dropout``: DENSE; else ``context`` (SPARSE; rows whose own context is shorter than dense_below
     get every causal block). ``run`` is :func:`hf_sparse.star_attention.generate`'s state of the forward (None for
     a plain generate(), whose prompt's last ``query_tokens`` tokens are the query)."""
-    from .methods.star import StarMethod
-
     config = call.config
     check_inputs(call.kwargs, call.query, (), "star", getattr(call.module, "is_causal", True))
     window = call.kwargs.get("sliding_window")

@@ -6,7 +6,7 @@
 
 ``make peer-test TRANSFORMERS_TESTS=/path/to/transformers`` runs it with the defaults. Each (model, mode) is one
 pytest run of ``tests/models/<model>/test_modeling_<model>.py`` inside the checkout with the
-``hf_sparse.peer_tests`` plugin; each writes ``<out>/<model>_<mode>.json``, and the comparison goes to
+``hf_sparse.tools.peer_tests`` plugin; each writes ``<out>/<model>_<mode>.json``, and the comparison goes to
 ``<out>/summary.json`` and ``<out>/summary.md``: counts and wall time per model and mode, and every test that
 passes under sdpa but not under a method, with its error line. What the plugin resolves, and the checkout the
 figures in docs/peer_tests.md came from: docs/peer_tests.md.
@@ -43,7 +43,7 @@ def run(checkout: Path, model: str, mode: str, out: Path, jobs: int, extra: list
     """One pytest run; its report (written by the plugin)."""
     report = out / f"{model}_{mode}.json"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_cli=false",
-               "-p", "hf_sparse.peer_tests", *MODES[mode], "--hf-sparse-report", str(report), "-m", DESELECT,
+               "-p", "hf_sparse.tools.peer_tests", *MODES[mode], "--hf-sparse-report", str(report), "-m", DESELECT,
                f"tests/models/{model}/test_modeling_{model}.py", *extra]
     if jobs > 1:
         command += ["-n", str(jobs)]

@@ -124,10 +124,11 @@ class LayerCursor:
 
 def fit_key_bases(model, tokenizer, rank, length, count, device):
     """Per layer, ``[kv_heads, rank, head_dim]``: the top principal directions of the post-RoPE keys of ``count``
-    windows of ``length`` tokens of gate training's data (``hf_sparse.eval.stdlib_training_files``: the standard
+    windows of ``length`` tokens of gate training's data (``hf_sparse.tools.eval.stdlib_training_files``: the standard
     library's code, disjoint from the held-out prose)."""
-    from hf_sparse.eval import stdlib_training_files
-    from hf_sparse.training import pack_sequences, probe_layers, read_text_files, token_stream
+    from hf_sparse.tools.eval import stdlib_training_files
+    from hf_sparse.tools.probe import probe_layers
+    from hf_sparse.tools.text_data import pack_sequences, read_text_files, token_stream
 
     ids = pack_sequences(token_stream(read_text_files(stdlib_training_files()), tokenizer, length * count), length)
     moments = {}  # layer: (sum of keys [Hkv, D], sum of outer products [Hkv, D, D], count)

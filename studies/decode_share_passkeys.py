@@ -17,8 +17,8 @@ import time
 import torch
 
 import hf_sparse
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import filler_ids, passkey_found, passkey_prompt
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import filler_ids, passkey_found, passkey_prompt
 
 KEYS = {0.1: "67303", 0.5: "26015", 0.9: "94609"}
 

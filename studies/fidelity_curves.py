@@ -3,7 +3,7 @@
 Each setting is a method name as in bench_generate.py ("xattn-threshold=0.8-pool=mean", "plas-prefill_top_k=[8:10]",
 "star-block_size=8192-query_tokens=256": KL over the query positions with ``--last-n 256``);
 every one runs sparse at any length and density (``dense_below=0``, ``dense_above_density=None`` are added). Input:
-the first ``--tokens`` tokens of the standard library's ``*.py`` files in sorted order (``hf_sparse.eval``'s text).
+the first ``--tokens`` tokens of the standard library's ``*.py`` files in sorted order (``hf_sparse.tools.eval``'s text).
 Reported per setting: prefill density (attended / causal key blocks over the sparse layers), next-token
 KL(dense || sparse) and top-1 agreement over the last ``--last-n`` positions, and the KL at the last position alone.
 Runs on the CPU (PyTorch reference path) or the GPU; prints a Markdown table, writes JSON and a PNG (KL against
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import hf_sparse
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import stdlib_text
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import stdlib_text
 from hf_sparse.methods.star import StarMethod
 
 # benchmarks/_common.py: the helpers the benchmark scripts share

@@ -1,7 +1,7 @@
 """Trained PLAS gates against mean pooling on held-out prose: density / next-token KL curves and matched ratios.
 
 For each gate file (its block size read from the file) and each ``--lengths`` L, ``--sequences`` disjoint windows
-of ``hf_sparse.eval.held_out_sequences`` (the standard library's prose; gate training reads only code). Per window:
+of ``hf_sparse.tools.eval.held_out_sequences`` (the standard library's prose; gate training reads only code). Per window:
 dense sdpa logits over the last ``--last-n`` positions, then for mean pooling and for the file, at each
 ``--fractions`` f, one sparse prefill with ``PLASConfig(block_size=B, query_union=B, prefill_top_k=(k, ceil(1.25 k)),
 k = max(2, round(f * L / B))``, every layer but the last sparse at any length and density). Prints per point the density
@@ -34,9 +34,10 @@ import torch
 from safetensors import safe_open
 
 import hf_sparse
-from hf_sparse.default_model import load_default_model
-from hf_sparse.eval import held_out_sequences
-from hf_sparse.gates import gate_spec, read_gate_file, resolve_gate_file, set_gates
+from hf_sparse.tools.default_model import load_default_model
+from hf_sparse.tools.eval import held_out_sequences
+from hf_sparse.gate_files import read_gate_file, resolve_gate_file
+from hf_sparse.gates import gate_spec, set_gates
 
 # benchmarks/_common.py: the helpers the benchmark scripts share (block_scorers.py is beside this file)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -281,7 +282,7 @@ def summarise(samples: list[dict]) -> list[dict]:
 def report(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
     print(header(env))
     model = "SmolLM2-135M-Instruct" + (" (long-context)" if args.long_context else "")
-    print(f"{model}, held-out prose (hf_sparse.eval.held_out_sequences), {args.sequences} windows per "
+    print(f"{model}, held-out prose (hf_sparse.tools.eval.held_out_sequences), {args.sequences} windows per "
           f"length; KL(dense || sparse) and top-1 over the last {args.last_n} positions, mean (std) over windows\n")
     print(table([("length", lambda r: str(r["length"])), ("block", lambda r: str(r["block"])),
                  ("gates", lambda r: r["gates"]), ("prefill_top_k", lambda r: f"{r['top_k'][0]}-{r['top_k'][1]}"),

@@ -59,7 +59,7 @@ def main() -> None:
         if args.model != "smollm2" or args.gguf:
             raise SystemExit("probe_layers.py --cpu runs the default model only (--model smollm2, no --gguf)")
         from hf_sparse import density
-        from hf_sparse.default_model import load_default_model
+        from hf_sparse.tools.default_model import load_default_model
 
         density.falls_back_by_density = lambda query: True  # the decisions CUDA's path makes
         model, tokenizer = load_default_model(attn_implementation="sdpa", dtype=torch.float32, device="cpu")

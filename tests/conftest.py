@@ -113,6 +113,6 @@ def selecting_config(method: str, **fields):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, sdpa attention."""
-    from hf_sparse.default_model import load_default_model
+    from hf_sparse.tools.default_model import load_default_model
 
     return load_default_model(attn_implementation="sdpa")

@@ -20,7 +20,8 @@ if not CUDA and not INTERPRETED:
                 allow_module_level=True)
 DEVICE = "cuda" if CUDA else "cpu"
 
-from hf_sparse import kernels, training  # noqa: E402
+from hf_sparse import kernels  # noqa: E402
+from hf_sparse.tools import gate_objective
 from hf_sparse.kernels import block_logits as op  # noqa: E402  (imports triton.language)
 
 
@@ -108,7 +109,7 @@ def test_distillation_loss_and_gradient_equal_the_reference_path(monkeypatch, si
     for backend in ("triton", "torch"):
         monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
         gate.grad = None
-        loss = training.gate_distillation_loss(query, key, gate, 16, 0.25, query_chunk=7, sink_blocks=sink_blocks,
+        loss = gate_objective.gate_distillation_loss(query, key, gate, 16, 0.25, query_chunk=7, sink_blocks=sink_blocks,
                                                pool=pool)
         loss.backward()
         results.append((loss.detach(), gate.grad.clone()))

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_sparse.cli import config_from_overrides, main
+from hf_sparse.tools.cli import config_from_overrides, main
 
 
 def test_overrides_parse_and_validate():
@@ -33,8 +33,9 @@ def test_eval_compares_a_gate_file_with_mean_pooling(capsys, tmp_path):
     the gate loader's message."""
     import torch
 
-    from hf_sparse.default_model import load_default_model
-    from hf_sparse.gates import gate_spec, mean_pooling_gates, write_gate_file
+    from hf_sparse.tools.default_model import load_default_model
+    from hf_sparse.gate_files import write_gate_file
+    from hf_sparse.gates import gate_spec, mean_pooling_gates
 
     model, _ = load_default_model()
     generator = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_sparse
-from hf_sparse import plan
+from hf_sparse import log
 from hf_sparse.cache import SparseCache
 from hf_sparse.kernels import reference as ref
 from hf_sparse.methods import METHODS
@@ -65,7 +65,7 @@ def test_right_padding_runs_dense_equal_to_sdpa(caplog):
     ids = torch.randint(3, 128, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
-    plan._WARNED.discard("padding")
+    log.WARNED.discard("padding")
     with torch.no_grad(), hf_sparse.record_sparsity() as rec:
         logits = sparse(ids, attention_mask=mask).logits
         sparse(ids, attention_mask=mask)
@@ -337,7 +337,7 @@ def test_bad_inputs_get_clear_errors(caplog):
     model = build(tiny_config(), "plas")
     hf_sparse.configure(model, full_density())
     ids = torch.randint(3, 128, (1, 40))
-    plan._WARNED.discard("output_attentions")
+    log.WARNED.discard("output_attentions")
     with torch.no_grad():
         out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)

@@ -11,7 +11,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hf_sparse
-from hf_sparse import distributed, gates
+from hf_sparse import distributed
+from hf_sparse import gate_files
+from hf_sparse import gates
+from hf_sparse.tools import gate_eval
+from hf_sparse.tools import gate_training
+from hf_sparse.tools import hub
 from hf_sparse.kernels import reference
 
 from conftest import build, tiny_config
@@ -33,7 +38,7 @@ def _random_gates(model, seed: int = 0) -> dict[int, torch.Tensor]:
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "hf_sparse.gates"]
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name in ("hf_sparse.gates", "hf_sparse.gate_files")]
 
 
 def _selection(gate: torch.Tensor | None, seed: int = 1):
@@ -49,10 +54,10 @@ def _selection(gate: torch.Tensor | None, seed: int = 1):
 def test_round_trip_gives_identical_selections_and_outputs(tmp_path):
     source = _model()
     gates.set_gates(source, _random_gates(source))
-    path = gates.save_gates(source, tmp_path)
-    assert path == tmp_path / gates.GATE_FILENAME
+    path = gate_files.save_gates(source, tmp_path)
+    assert path == tmp_path / gate_files.GATE_FILENAME
     target = _model()
-    loaded = gates.load_gates(target, tmp_path, strict=True)
+    loaded = gate_files.load_gates(target, tmp_path, strict=True)
     assert sorted(loaded) == [0, 1], "the last layer is dense (dense_layers=(-1,)) and has no gate"
     for layer, weight in gates.get_gates(source).items():
         assert torch.equal(loaded[layer], weight)
@@ -68,7 +73,7 @@ def test_file_layout_and_metadata(tmp_path):
     model = _model()
     model.config._name_or_path = "org/base-model"
     gates.set_gates(model, _random_gates(model))
-    path = gates.save_gates(model, tmp_path)
+    path = gate_files.save_gates(model, tmp_path)
     with safe_open(str(path), framework="pt") as handle:
         assert sorted(handle.keys()) == ["layers.0.gate_weight", "layers.1.gate_weight"]
         assert handle.get_tensor("layers.0.gate_weight").dtype == torch.float32
@@ -77,7 +82,7 @@ def test_file_layout_and_metadata(tmp_path):
             "kv_heads": "2", "head_dim": "16", "layers": "0,1", "base_model": "org/base-model",
             "hf_sparse_version": hf_sparse.__version__,
         }
-    assert [p.name for p in tmp_path.iterdir()] == [gates.GATE_FILENAME], "no temporary file left behind"
+    assert [p.name for p in tmp_path.iterdir()] == [gate_files.GATE_FILENAME], "no temporary file left behind"
 
 
 def test_mean_pooling_gates_equal_the_gateless_summaries():
@@ -93,7 +98,7 @@ def test_mean_pooling_gates_equal_the_gateless_summaries():
 def _file_from(tmp_path, **kwargs) -> str:
     other = _model(**kwargs)
     gates.set_gates(other, _random_gates(other))
-    return str(gates.save_gates(other, tmp_path / "other"))
+    return str(gate_files.save_gates(other, tmp_path / "other"))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -104,12 +109,12 @@ def _file_from(tmp_path, **kwargs) -> str:
 ])
 def test_mismatched_file_names_file_and_field(tmp_path, caplog, kwargs, message):
     path = _file_from(tmp_path, **kwargs)
-    with pytest.raises(gates.GateFileError) as error:
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError) as error:
+        gate_files.load_gates(_model(), path, strict=True)
     assert str(error.value).startswith(path) and message in str(error.value)
     caplog.set_level(logging.WARNING)
     model = _model()
-    assert gates.load_gates(model, path) == {} and gates.get_gates(model) == {}
+    assert gate_files.load_gates(model, path) == {} and gates.get_gates(model) == {}
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and message in warnings[0] and "mean-pooled" in warnings[0]
 
@@ -117,33 +122,33 @@ def test_mismatched_file_names_file_and_field(tmp_path, caplog, kwargs, message)
 def test_shape_checked_without_metadata(tmp_path):
     path = tmp_path / "foreign.safetensors"
     save_file({"layers.0.gate_weight": torch.ones(2, 32, 16), "layers.1.gate_weight": torch.ones(2, 16, 16)}, str(path))
-    with pytest.raises(gates.GateFileError, match=r"layer 0 gate has shape \(2, 32, 16\).*block_size 32 != model's 16"):
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match=r"layer 0 gate has shape \(2, 32, 16\).*block_size 32 != model's 16"):
+        gate_files.load_gates(_model(), path, strict=True)
     path = tmp_path / "extra-layer.safetensors"
     save_file({f"layers.{i}.gate_weight": torch.ones(2, 16, 16) for i in range(4)}, str(path))
-    with pytest.raises(gates.GateFileError, match=r"layer\(s\) \[3\] but the model has 3 layers"):
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match=r"layer\(s\) \[3\] but the model has 3 layers"):
+        gate_files.load_gates(_model(), path, strict=True)
 
 
 @pytest.mark.parametrize("content", ["truncated", "pickle", "text", "empty"])
 def test_unreadable_file_is_rejected_without_unpickling(tmp_path, content):
     good = _file_from(tmp_path)
     data = open(good, "rb").read()
-    path = tmp_path / gates.GATE_FILENAME
+    path = tmp_path / gate_files.GATE_FILENAME
     path.write_bytes({"truncated": data[: len(data) // 2], "pickle": pickle.dumps({"layers.0.gate_weight": [1.0]}),
                       "text": b"not a safetensors file", "empty": b""}[content])
-    with pytest.raises(gates.GateFileError, match=rf"^{path}: not a readable safetensors gate file"):
-        gates.load_gates(_model(), tmp_path, strict=True)
-    assert gates.load_gates(_model(), tmp_path) == {}
+    with pytest.raises(gate_files.GateFileError, match=rf"^{path}: not a readable safetensors gate file"):
+        gate_files.load_gates(_model(), tmp_path, strict=True)
+    assert gate_files.load_gates(_model(), tmp_path) == {}
 
 
 def test_missing_file_or_folder(tmp_path, caplog):
-    with pytest.raises(gates.GateFileError, match="no gate file in the folder"):
-        gates.load_gates(_model(), tmp_path, strict=True)
-    with pytest.raises(gates.GateFileError, match="no such gate file"):
-        gates.load_gates(_model(), tmp_path / "nowhere" / "gates.safetensors", strict=True)
+    with pytest.raises(gate_files.GateFileError, match="no gate file in the folder"):
+        gate_files.load_gates(_model(), tmp_path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match="no such gate file"):
+        gate_files.load_gates(_model(), tmp_path / "nowhere" / "gates.safetensors", strict=True)
     caplog.set_level(logging.WARNING)
-    assert gates.load_gates(_model(), tmp_path) == {}
+    assert gate_files.load_gates(_model(), tmp_path) == {}
     assert len(_warnings(caplog)) == 1
 
 
@@ -151,11 +156,11 @@ def test_partial_file_loads_present_layers_unless_strict(tmp_path, caplog):
     path = tmp_path / "partial.safetensors"
     weight = torch.full((2, BLOCK, 16), 0.5)
     save_file({"layers.0.gate_weight": weight}, str(path))
-    with pytest.raises(gates.GateFileError, match=r"no gate for layer\(s\) \[1\]"):
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match=r"no gate for layer\(s\) \[1\]"):
+        gate_files.load_gates(_model(), path, strict=True)
     caplog.set_level(logging.WARNING)
     model = _model()
-    assert sorted(gates.load_gates(model, path)) == [0]
+    assert sorted(gate_files.load_gates(model, path)) == [0]
     assert torch.equal(gates.get_gates(model)[0], weight) and len(_warnings(caplog)) == 1
 
 
@@ -163,12 +168,12 @@ def test_foreign_tensor_names_through_a_mapping(tmp_path):
     path = tmp_path / "fastdeploy-style.safetensors"
     tensors = {f"model.layers.{i}.self_attn.attn_gate_weight": torch.full((2, BLOCK, 16), float(i)) for i in range(2)}
     save_file(tensors, str(path))
-    with pytest.raises(gates.GateFileError, match="unexpected tensor"):
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match="unexpected tensor"):
+        gate_files.load_gates(_model(), path, strict=True)
     model = _model()
-    loaded = gates.load_gates(model, path, strict=True, tensor_names="model.layers.{layer}.self_attn.attn_gate_weight")
+    loaded = gate_files.load_gates(model, path, strict=True, tensor_names="model.layers.{layer}.self_attn.attn_gate_weight")
     assert torch.equal(loaded[1], torch.ones(2, BLOCK, 16))
-    by_map = gates.load_gates(_model(), path, strict=True,
+    by_map = gate_files.load_gates(_model(), path, strict=True,
                               tensor_names={i: f"model.layers.{i}.self_attn.attn_gate_weight" for i in range(2)})
     assert torch.equal(by_map[0], loaded[0])
 
@@ -176,58 +181,56 @@ def test_foreign_tensor_names_through_a_mapping(tmp_path):
 def test_non_finite_gate_rejected(tmp_path):
     path = tmp_path / "nan.safetensors"
     save_file({"layers.0.gate_weight": torch.full((2, BLOCK, 16), float("nan"))}, str(path))
-    with pytest.raises(gates.GateFileError, match="NaN or infinite"):
-        gates.load_gates(_model(), path, strict=True)
+    with pytest.raises(gate_files.GateFileError, match="NaN or infinite"):
+        gate_files.load_gates(_model(), path, strict=True)
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     model = _model()
     first = _random_gates(model, seed=1)
     gates.set_gates(model, first)
-    path = gates.save_gates(model, tmp_path)
+    path = gate_files.save_gates(model, tmp_path)
     gates.set_gates(model, _random_gates(model, seed=2))
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    import safetensors.torch
-
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(gate_files, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        gates.save_gates(model, tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [gates.GATE_FILENAME]
-    assert torch.equal(gates.read_gate_file(path, gates.gate_spec(model))[0], first[0])
+        gate_files.save_gates(model, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [gate_files.GATE_FILENAME]
+    assert torch.equal(gate_files.read_gate_file(path, gates.gate_spec(model))[0], first[0])
 
 
 def test_save_alongside_and_autoload_from_the_model_folder(tmp_path, caplog):
     model = _model()
-    assert gates.save_gates_alongside(model, tmp_path / "none") is None, "no gates attached: nothing written"
+    assert gate_files.save_gates_alongside(model, tmp_path / "none") is None, "no gates attached: nothing written"
     with pytest.raises(ValueError, match="no gates attached"):
-        gates.save_gates(model, tmp_path / "none")
+        gate_files.save_gates(model, tmp_path / "none")
     gates.set_gates(model, _random_gates(model))
     model.save_pretrained(tmp_path / "other", is_main_process=False)
-    assert not (tmp_path / "other" / gates.GATE_FILENAME).exists(), "only the main process writes the gate file"
+    assert not (tmp_path / "other" / gate_files.GATE_FILENAME).exists(), "only the main process writes the gate file"
     model.save_pretrained(tmp_path / "positional", False)  # save_pretrained's second parameter is is_main_process
-    assert not (tmp_path / "positional" / gates.GATE_FILENAME).exists()
+    assert not (tmp_path / "positional" / gate_files.GATE_FILENAME).exists()
     model.save_pretrained(tmp_path / "saved")  # writes the gate file beside the weights
-    assert (tmp_path / "saved" / gates.GATE_FILENAME).is_file()
+    assert (tmp_path / "saved" / gate_files.GATE_FILENAME).is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="plas")
     assert reloaded.config.hf_sparse["block_size"] == BLOCK
     attached = gates.get_gates(reloaded)  # picked up by from_pretrained itself
     assert attached.keys() == gates.get_gates(model).keys()
     assert all(torch.equal(attached[i], w) for i, w in gates.get_gates(model).items())
     assert gates.get_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa")) == {}
-    loaded = gates.autoload_gates(reloaded)
+    loaded = gate_files.autoload_gates(reloaded)
     assert all(torch.equal(loaded[i], w) for i, w in gates.get_gates(model).items())
 
     caplog.set_level(logging.WARNING)
-    (tmp_path / "saved" / gates.GATE_FILENAME).unlink()
+    (tmp_path / "saved" / gate_files.GATE_FILENAME).unlink()
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="plas")
     assert len(_warnings(caplog)) == 1, "from_pretrained warns once about the missing gate file"
     caplog.clear()
-    assert gates.autoload_gates(plain) == {} and gates.get_gates(plain) == {}
+    assert gate_files.autoload_gates(plain) == {} and gates.get_gates(plain) == {}
     warnings = _warnings(caplog)
-    assert len(warnings) == 1 and str(tmp_path / "saved" / gates.GATE_FILENAME) in warnings[0]
+    assert len(warnings) == 1 and str(tmp_path / "saved" / gate_files.GATE_FILENAME) in warnings[0]
 
 
 def test_gates_stay_out_of_the_state_dict():
@@ -301,52 +304,56 @@ def test_set_and_load_gates_keep_the_rank_chunk_under_tensor_parallelism(tmp_pat
     source = _model(kv_heads=2)
     whole = _random_gates(source)
     gates.set_gates(source, whole)
-    path = gates.save_gates(source, tmp_path)
+    path = gate_files.save_gates(source, tmp_path)
     model = _model(kv_heads=2)
-    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (1, 2))  # rank 1 of 2
+    for module in (gates, gate_files):
+        monkeypatch.setattr(module, "tensor_parallel_rank_and_size", lambda model: (1, 2))  # rank 1 of 2
     gates.set_gates(model, whole)
     assert all(torch.equal(w, whole[i][1:2]) for i, w in gates.get_gates(model).items())
     gates.set_gates(model, None)
-    loaded = gates.load_gates(model, path, strict=True)
+    loaded = gate_files.load_gates(model, path, strict=True)
     assert all(torch.equal(loaded[i], whole[i]) for i in whole), "load_gates returns the file's gates, every head"
     assert all(torch.equal(w, whole[i][1:2]) for i, w in gates.get_gates(model).items())
     with pytest.raises(ValueError, match="does not hold the model's 2 KV heads"):
         gates.set_gates(model, gates.get_gates(model))  # set_gates takes whole gates
 
     gates.set_gates(model, None)
-    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 4))  # 2 heads over 4 ranks
-    with pytest.raises(gates.GateFileError, match="2 KV heads do not split over tensor parallelism's 4 ranks"):
-        gates.load_gates(model, path, strict=True)
+    for module in (gates, gate_files):
+        monkeypatch.setattr(module, "tensor_parallel_rank_and_size", lambda model: (0, 4))  # 2 heads over 4 ranks
+    with pytest.raises(gate_files.GateFileError, match="2 KV heads do not split over tensor parallelism's 4 ranks"):
+        gate_files.load_gates(model, path, strict=True)
     caplog.set_level(logging.WARNING)
-    assert gates.load_gates(model, path) == {} and gates.get_gates(model) == {}
+    assert gate_files.load_gates(model, path) == {} and gates.get_gates(model) == {}
     assert len(_warnings(caplog)) == 1 and "do not split" in _warnings(caplog)[0]
     with pytest.raises(ValueError, match="do not split"):
         gates.set_gates(model, whole)
-    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    monkeypatch.setattr(hub, "tensor_parallel_rank_and_size", lambda model: (0, 2))
     with pytest.raises(ValueError, match="push_gates_to_hub on a model split by tensor parallelism"):
-        gates.push_gates_to_hub(source, "org/gates")
+        hub.push_gates_to_hub(source, "org/gates")
 
 
 def test_only_the_first_tensor_parallel_rank_writes_the_gate_file_and_training_refuses_a_split_model(
         tmp_path, monkeypatch):
     """``save_pretrained`` runs on every rank: each gathers the heads, the group's first rank writes. Gate training
     and evaluation read every head and refuse a split model by name."""
-    from hf_sparse import distributed, training
+    from hf_sparse import gate_files
+    from hf_sparse import gates
+    from hf_sparse.tools import gate_objective
 
     model = _model(kv_heads=2)
     whole = _random_gates(model)
     gates.set_gates(model, whole)
-    monkeypatch.setattr(gates, "gathered_gates", lambda model: whole)  # what the all-gather returns
-    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (1, 2))
-    assert gates.save_gates_alongside(model, tmp_path / "rank1") is None
+    monkeypatch.setattr(gate_files, "gathered_gates", lambda model: whole)  # what the all-gather returns
+    monkeypatch.setattr(gate_files, "tensor_parallel_rank_and_size", lambda model: (1, 2))
+    assert gate_files.save_gates_alongside(model, tmp_path / "rank1") is None
     assert not (tmp_path / "rank1").exists()
-    monkeypatch.setattr(gates, "tensor_parallel_rank_and_size", lambda model: (0, 2))
-    written = gates.save_gates_alongside(model, tmp_path / "rank0")
-    assert written is not None and torch.equal(gates.read_gate_file(written, gates.gate_spec(model))[0], whole[0])
+    monkeypatch.setattr(gate_files, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    written = gate_files.save_gates_alongside(model, tmp_path / "rank0")
+    assert written is not None and torch.equal(gate_files.read_gate_file(written, gates.gate_spec(model))[0], whole[0])
 
-    monkeypatch.setattr(distributed, "tensor_parallel_rank_and_size", lambda model: (0, 2))
+    monkeypatch.setattr(gate_objective, "tensor_parallel_rank_and_size", lambda model: (0, 2))
     ids = torch.zeros(1, 4 * BLOCK, dtype=torch.long)
     with pytest.raises(ValueError, match="evaluate_gates needs the whole model.*tp_size 2"):
-        training.evaluate_gates(model, ids, None)
+        gate_eval.evaluate_gates(model, ids, None)
     with pytest.raises(ValueError, match="train_gates needs the whole model.*tp_size 2"):
-        training.train_gates(model, [ids[0]])
+        gate_training.train_gates(model, [ids[0]])

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import hf_sparse
+from hf_sparse import gate_files
 from hf_sparse import gates
+from hf_sparse.tools import hub as hub_tools
 
 from conftest import build, tiny_config
 
@@ -201,18 +203,18 @@ def _same(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> bool:
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "hf_sparse.gates"]
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name in ("hf_sparse.gates", "hf_sparse.gate_files")]
 
 
 def test_push_then_download_round_trip(hub, tmp_path):
     source = _model()
     gates.set_gates(source, _random_gates(source, seed=1))
-    info = gates.push_gates_to_hub(source, "org/plas-gates")
+    info = hub_tools.push_gates_to_hub(source, "org/plas-gates")
     assert hub.count("POST", "/api/repos/create") == 1 and hub.count("POST", "/commit/main") == 1
     assert info.oid == hub.repos["org/plas-gates"]["branches"]["main"]
 
     target = _model()
-    loaded = gates.load_gates(target, "org/plas-gates", strict=True)
+    loaded = gate_files.load_gates(target, "org/plas-gates", strict=True)
     assert _same(loaded, gates.get_gates(source))
     assert _same(gates.get_gates(target), gates.get_gates(source))
     assert hub.count("HEAD", "/org/plas-gates/resolve/main/") == 1
@@ -222,15 +224,15 @@ def test_push_then_download_round_trip(hub, tmp_path):
 def test_cache_is_reused_and_commit_pins_skip_the_network(hub, tmp_path):
     model = _model()
     gates.set_gates(model, _random_gates(model, seed=2))
-    gates.push_gates_to_hub(model, "org/cached")
+    hub_tools.push_gates_to_hub(model, "org/cached")
     sha = hub.repos["org/cached"]["branches"]["main"]
-    first = gates.load_gates(_model(), "org/cached", strict=True)
+    first = gate_files.load_gates(_model(), "org/cached", strict=True)
     downloads = hub.count("GET", "cdn:")
-    second = gates.load_gates(_model(), "org/cached", strict=True)
+    second = gate_files.load_gates(_model(), "org/cached", strict=True)
     assert _same(first, second)
     assert hub.count("GET", "cdn:") == downloads == 1, "second load served from the cache (HEAD only)"
     requests = len(hub.requests)
-    pinned = gates.load_gates(_model(), "org/cached", revision=sha, strict=True)
+    pinned = gate_files.load_gates(_model(), "org/cached", revision=sha, strict=True)
     assert _same(pinned, first) and len(hub.requests) == requests, "a cached commit id needs no request at all"
 
 
@@ -239,15 +241,15 @@ def test_revision_pinning_selects_the_commit(hub):
     hub.create("org/versions")
     v1, v2 = _random_gates(model, seed=3), _random_gates(model, seed=4)
     gates.set_gates(model, v1)
-    first = gates.push_gates_to_hub(model, "org/versions", create_repo=False).oid
+    first = hub_tools.push_gates_to_hub(model, "org/versions", create_repo=False).oid
     gates.set_gates(model, v2)
-    second = gates.push_gates_to_hub(model, "org/versions", create_repo=False).oid
+    second = hub_tools.push_gates_to_hub(model, "org/versions", create_repo=False).oid
     assert first != second
-    assert _same(gates.load_gates(_model(), "org/versions", revision=first, strict=True), v1)
-    assert _same(gates.load_gates(_model(), "org/versions", revision=second, strict=True), v2)
-    assert _same(gates.load_gates(_model(), "org/versions", strict=True), v2), "main is the newest commit"
-    with pytest.raises(gates.GateFileError, match="revision not found"):
-        gates.load_gates(_model(), "org/versions", revision="no-such-branch", strict=True)
+    assert _same(gate_files.load_gates(_model(), "org/versions", revision=first, strict=True), v1)
+    assert _same(gate_files.load_gates(_model(), "org/versions", revision=second, strict=True), v2)
+    assert _same(gate_files.load_gates(_model(), "org/versions", strict=True), v2), "main is the newest commit"
+    with pytest.raises(gate_files.GateFileError, match="revision not found"):
+        gate_files.load_gates(_model(), "org/versions", revision="no-such-branch", strict=True)
 
 
 def test_offline_mode_serves_a_warm_cache_and_fails_cleanly_on_a_cold_one(hub, monkeypatch, tmp_path, caplog):
@@ -255,19 +257,19 @@ def test_offline_mode_serves_a_warm_cache_and_fails_cleanly_on_a_cold_one(hub, m
 
     model = _model()
     gates.set_gates(model, _random_gates(model, seed=5))
-    gates.push_gates_to_hub(model, "org/offline")
-    online = gates.load_gates(_model(), "org/offline", strict=True)  # warms the cache
+    hub_tools.push_gates_to_hub(model, "org/offline")
+    online = gate_files.load_gates(_model(), "org/offline", strict=True)  # warms the cache
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     requests = len(hub.requests)
-    offline = gates.load_gates(_model(), "org/offline", strict=True)
+    offline = gate_files.load_gates(_model(), "org/offline", strict=True)
     assert _same(online, offline) and len(hub.requests) == requests, "offline: no request, cached file"
 
     cold = tmp_path / "cold-cache"
-    with pytest.raises(gates.GateFileError, match="not in the local cache"):
-        gates.load_gates(_model(), "org/offline", strict=True, cache_dir=cold)
+    with pytest.raises(gate_files.GateFileError, match="not in the local cache"):
+        gate_files.load_gates(_model(), "org/offline", strict=True, cache_dir=cold)
     caplog.set_level(logging.WARNING)
     fallback = _model()
-    assert gates.load_gates(fallback, "org/offline", cache_dir=cold) == {}
+    assert gate_files.load_gates(fallback, "org/offline", cache_dir=cold) == {}
     assert gates.get_gates(fallback) == {} and len(_warnings(caplog)) == 1
     assert len(hub.requests) == requests
 
@@ -275,46 +277,46 @@ def test_offline_mode_serves_a_warm_cache_and_fails_cleanly_on_a_cold_one(hub, m
 def test_missing_file_falls_back_with_one_warning_or_raises_when_strict(hub, caplog):
     hub.create("org/model-without-gates")
     hub.commit("org/model-without-gates", {"config.json": b"{}"})
-    with pytest.raises(gates.GateFileError, match=rf"{gates.GATE_FILENAME} in Hub repo 'org/model-without-gates'.*no such file"):
-        gates.load_gates(_model(), "org/model-without-gates", strict=True)
+    with pytest.raises(gate_files.GateFileError, match=rf"{gate_files.GATE_FILENAME} in Hub repo 'org/model-without-gates'.*no such file"):
+        gate_files.load_gates(_model(), "org/model-without-gates", strict=True)
     caplog.set_level(logging.WARNING)
     model = _model()
     model.config._name_or_path = "org/model-without-gates"
-    assert gates.autoload_gates(model) == {}
+    assert gate_files.autoload_gates(model) == {}
     warnings = _warnings(caplog)
-    assert len(warnings) == 1 and gates.GATE_FILENAME in warnings[0] and "mean-pooled" in warnings[0]
+    assert len(warnings) == 1 and gate_files.GATE_FILENAME in warnings[0] and "mean-pooled" in warnings[0]
     assert gates.get_gates(model) == {}
-    with pytest.raises(gates.GateFileError, match="repository not found"):
-        gates.load_gates(_model(), "org/does-not-exist", strict=True)
+    with pytest.raises(gate_files.GateFileError, match="repository not found"):
+        gate_files.load_gates(_model(), "org/does-not-exist", strict=True)
 
 
 def test_autoload_from_the_models_hub_repo_pins_its_commit(hub):
     model = _model()
     hub.create("org/plas-model")
     gates.set_gates(model, _random_gates(model, seed=6))
-    old = gates.push_gates_to_hub(model, "org/plas-model", create_repo=False).oid
+    old = hub_tools.push_gates_to_hub(model, "org/plas-model", create_repo=False).oid
     gates.set_gates(model, _random_gates(model, seed=7))
-    gates.push_gates_to_hub(model, "org/plas-model", create_repo=False)
+    hub_tools.push_gates_to_hub(model, "org/plas-model", create_repo=False)
     fresh = _model()
     fresh.config._name_or_path = "org/plas-model"
     fresh.config._commit_hash = old  # what from_pretrained records for the weights it loaded
-    assert _same(gates.autoload_gates(fresh), _random_gates(model, seed=6))
+    assert _same(gate_files.autoload_gates(fresh), _random_gates(model, seed=6))
 
 
 def test_hf_endpoint_environment_variable_in_a_fresh_process(hub, tmp_path):
     """The documented user path: HF_ENDPOINT set before huggingface_hub is imported."""
     model = _model()
     gates.set_gates(model, _random_gates(model, seed=8))
-    gates.push_gates_to_hub(model, "org/env")
+    hub_tools.push_gates_to_hub(model, "org/env")
     expected = tmp_path / "expected.safetensors"
-    gates.save_gates(model, tmp_path, expected.name)
+    gate_files.save_gates(model, tmp_path, expected.name)
     script = (
         "import sys, torch, hf_sparse; sys.path.insert(0, 'tests')\n"
         "from conftest import build, tiny_config\n"
-        "from hf_sparse import gates\n"
+        "from hf_sparse import gate_files, gates\n"
         "m = build(tiny_config(layers=3), 'sdpa'); hf_sparse.configure(m, hf_sparse.PLASConfig(block_size=16))\n"
-        "got = gates.load_gates(m, 'org/env', strict=True)\n"
-        f"ref = gates.read_gate_file({str(expected)!r}, gates.gate_spec(m))\n"
+        "got = gate_files.load_gates(m, 'org/env', strict=True)\n"
+        f"ref = gate_files.read_gate_file({str(expected)!r}, gates.gate_spec(m))\n"
         "assert got.keys() == ref.keys() and all(torch.equal(got[i], ref[i]) for i in got)\n"
         "print('ok', len(got))\n"
     )

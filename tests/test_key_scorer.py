@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import hf_sparse
+from hf_sparse import gate_files
+from hf_sparse import gates
 from hf_sparse import key_scorer
+from hf_sparse.tools import key_scorer_fit
 from hf_sparse.kernels import reference as ref
 from hf_sparse.selection import RowLayout
 
@@ -83,7 +86,7 @@ def test_fit_attach_and_a_prefill_that_ranks_by_keys():
     config = tiny_config("llama", 4, 2, 16, layers=2)
     model = build(config, "sdpa")
     windows = torch.randint(3, 128, (2, 96), generator=torch.Generator().manual_seed(2))
-    directions = key_scorer.fit_key_directions(model, windows, rank=4, progress=False)
+    directions = key_scorer_fit.fit_key_directions(model, windows, rank=4, progress=False)
     assert sorted(directions) == [0, 1]
     for tensor in directions.values():
         assert tensor.shape == (2, 4, 16)
@@ -94,7 +97,7 @@ def test_fit_attach_and_a_prefill_that_ranks_by_keys():
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         pooled = model(ids).logits
-        key_scorer.set_key_directions(model, directions)
+        gates.set_key_directions(model, directions)
         calls = []
         original = key_scorer.select_prefill
         key_scorer.select_prefill = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
@@ -104,7 +107,7 @@ def test_fit_attach_and_a_prefill_that_ranks_by_keys():
             key_scorer.select_prefill = original
         assert len(calls) == 2  # each layer's prefill
         assert not torch.allclose(scored, pooled, atol=1e-4)
-        key_scorer.set_key_directions(model, None)
+        gates.set_key_directions(model, None)
         torch.testing.assert_close(model(ids).logits, pooled)
 
 
@@ -112,15 +115,15 @@ def test_attaching_refuses_what_does_not_fit():
     model = build(tiny_config("llama", 4, 2, 16, layers=2), "sdpa")
     good = torch.linalg.qr(torch.randn(2, 16, 4)).Q.mT
     with pytest.raises(ValueError, match="layer 5"):
-        key_scorer.set_key_directions(model, {5: good})
+        gates.set_key_directions(model, {5: good})
     with pytest.raises(ValueError, match="kv_heads=2"):
-        key_scorer.set_key_directions(model, {0: good[:1]})
+        gates.set_key_directions(model, {0: good[:1]})
     with pytest.raises(ValueError, match="not finite"):
-        key_scorer.set_key_directions(model, {0: good * float("nan")})
+        gates.set_key_directions(model, {0: good * float("nan")})
     with pytest.raises(ValueError, match="several ranks"):
-        key_scorer.set_key_directions(model, {0: good, 1: good[:, :3]})
-    key_scorer.set_key_directions(model, {0: good})
-    attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
+        gates.set_key_directions(model, {0: good, 1: good[:, :3]})
+    gates.set_key_directions(model, {0: good})
+    attached = [gates.get_key_directions(layer.self_attn) for layer in model.model.layers]
     assert attached[0] is not None and attached[1] is None
 
 
@@ -137,57 +140,58 @@ def test_gate_file_version_2_holds_key_directions(tmp_path, monkeypatch):
     source, target = build(config, "sdpa"), build(config, "sdpa")
     directions = {0: orthonormal(2, 4, 16, torch.Generator().manual_seed(4)),
                   1: orthonormal(2, 4, 16, torch.Generator().manual_seed(5))}
-    key_scorer.set_key_directions(source, directions)
-    path = gates.save_gates(source, tmp_path)
+    gates.set_key_directions(source, directions)
+    path = gate_files.save_gates(source, tmp_path)
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
         assert sorted(handle.keys()) == ["layers.0.key_directions", "layers.1.key_directions"]
     assert metadata["format_version"] == "2" and metadata["key_rank"] == "4" and "block_size" not in metadata
-    assert gates.load_gates(target, tmp_path, strict=True) == {}  # no gates in the file
+    assert gate_files.load_gates(target, tmp_path, strict=True) == {}  # no gates in the file
     for layer in (0, 1):
-        assert torch.equal(key_scorer.get_key_directions(target.model.layers[layer].self_attn), directions[layer])
-    monkeypatch.setattr(gates, "FORMAT_VERSION", 1)
-    with pytest.raises(gates.GateFileError, match="reads versions 1..1"):
-        gates.load_gates(build(config, "sdpa"), tmp_path, strict=True)
+        assert torch.equal(gates.get_key_directions(target.model.layers[layer].self_attn), directions[layer])
+    monkeypatch.setattr(gate_files, "FORMAT_VERSION", 1)
+    with pytest.raises(gate_files.GateFileError, match="reads versions 1..1"):
+        gate_files.load_gates(build(config, "sdpa"), tmp_path, strict=True)
     monkeypatch.undo()
     wrong = tmp_path / "wrong.safetensors"
     save_file({"layers.0.key_directions": torch.zeros(3, 4, 16)}, str(wrong),
               metadata={"format": "hf_sparse.plas_gates", "format_version": "2"})
     fresh = build(config, "sdpa")
-    with pytest.raises(gates.GateFileError, match=r"wrong.safetensors: layer 0: key directions of shape \(3, 4, 16\)"):
-        gates.load_gates(fresh, wrong, strict=True)
-    assert gates.load_gates(fresh, wrong) == {}  # not strict: one warning, nothing attached
-    assert key_scorer.get_key_directions(fresh.model.layers[0].self_attn) is None
+    with pytest.raises(gate_files.GateFileError, match=r"wrong.safetensors: layer 0: key directions of shape \(3, 4, 16\)"):
+        gate_files.load_gates(fresh, wrong, strict=True)
+    assert gate_files.load_gates(fresh, wrong) == {}  # not strict: one warning, nothing attached
+    assert gates.get_key_directions(fresh.model.layers[0].self_attn) is None
     spec = gates.gate_spec(target)
     for bad, message in [({0: directions[0] * float("nan")}, "not finite"), ({7: directions[0]}, "layer 7")]:
         with pytest.raises(ValueError, match=message):  # what a reader would refuse is not written
-            gates.write_gate_file({}, tmp_path / "bad.safetensors", spec, bad)
+            gate_files.write_gate_file({}, tmp_path / "bad.safetensors", spec, bad)
     assert not (tmp_path / "bad.safetensors").exists()
     # gates and directions in one file: both attached; a file of gates alone is version 1 and leaves no directions
     gate = {0: torch.rand(spec.shape, generator=torch.Generator().manual_seed(6))}
-    both = gates.write_gate_file(gate, tmp_path / "both.safetensors", spec, directions)
-    assert sorted(gates.load_gates(fresh, both, strict=True)) == [0]
-    assert torch.equal(key_scorer.get_key_directions(fresh.model.layers[1].self_attn), directions[1])
-    only_gates = gates.write_gate_file(gate, tmp_path / "gates.safetensors", spec)
+    both = gate_files.write_gate_file(gate, tmp_path / "both.safetensors", spec, directions)
+    assert sorted(gate_files.load_gates(fresh, both, strict=True)) == [0]
+    assert torch.equal(gates.get_key_directions(fresh.model.layers[1].self_attn), directions[1])
+    only_gates = gate_files.write_gate_file(gate, tmp_path / "gates.safetensors", spec)
     with safe_open(str(only_gates), framework="pt") as handle:
         assert handle.metadata()["format_version"] == "1"
-    assert sorted(gates.load_gates(fresh, only_gates, strict=True)) == [0]
-    assert all(key_scorer.get_key_directions(layer.self_attn) is None for layer in fresh.model.layers)
+    assert sorted(gate_files.load_gates(fresh, only_gates, strict=True)) == [0]
+    assert all(gates.get_key_directions(layer.self_attn) is None for layer in fresh.model.layers)
 
 
 def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, capsys):
     """``hf-sparse fit-key-scorer`` on the embedded SmolLM2 (one short window of the standard library's code): a
     version-2 gate file of 30 layers' directions that load_gates attaches."""
     from hf_sparse import gates
-    from hf_sparse.cli import main
-    from hf_sparse.default_model import load_default_model
+    from hf_sparse.tools import key_scorer_fit
+    from hf_sparse.tools.cli import main
+    from hf_sparse.tools.default_model import load_default_model
 
     assert main(["fit-key-scorer", "--rank", "4", "--windows", "1", "--length", "256", "--out", str(tmp_path),
                  "--device", "cpu", "--no-progress"]) == 0
     assert "fitted 30 layer(s) x 4 key directions" in capsys.readouterr().out
     model, _ = load_default_model()
-    assert gates.load_gates(model, tmp_path, strict=True) == {}
-    attached = [key_scorer.get_key_directions(layer.self_attn) for layer in model.model.layers]
+    assert gate_files.load_gates(model, tmp_path, strict=True) == {}
+    attached = [gates.get_key_directions(layer.self_attn) for layer in model.model.layers]
     assert all(tensor is not None and tensor.shape == (3, 4, 64) for tensor in attached)
     with pytest.raises(SystemExit, match="--rank"):
         main(["fit-key-scorer", "--rank", "0", "--out", str(tmp_path / "other")])
@@ -195,7 +199,7 @@ def test_fit_key_scorer_command_writes_a_file_load_gates_attaches(tmp_path, caps
         main(["fit-key-scorer", "--rank", "4", "--windows", "1", "--length", "256", "--out", str(tmp_path),
               "--device", "cpu", "--no-progress"])
     with pytest.raises(ValueError, match=r"rank must be 1\.\.64"):
-        key_scorer.fit_key_directions(model, torch.zeros(1, 8, dtype=torch.long), rank=65, progress=False)
+        key_scorer_fit.fit_key_directions(model, torch.zeros(1, 8, dtype=torch.long), rank=65, progress=False)
 
 
 def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, monkeypatch):
@@ -209,20 +213,20 @@ def test_benchmarks_method_option_keys_attaches_a_files_directions(tmp_path, mon
     config = tiny_config("llama", 4, 2, 16, layers=2)
     model = build(config, "sdpa")
     directions = {0: orthonormal(2, 4, 16, torch.Generator().manual_seed(6))}
-    key_scorer.set_key_directions(model, directions)
+    gates.set_key_directions(model, directions)
     monkeypatch.chdir(tmp_path)
     folder = "ks"
-    gates.save_gates(model, folder)
-    key_scorer.set_key_directions(model, None)
+    gate_files.save_gates(model, folder)
+    gates.set_key_directions(model, None)
     name = f"plas-keys={folder}-block_size=16"
     with pytest.raises(ValueError, match="holds a '-'"):
         key_scorer_path("plas-keys=my-ks-block_size=16")
     assert key_scorer_path("plas-keys=ks-int8") == "ks"  # an option flag after the path
     assert key_scorer_path(name) == folder and sparse_config(name).block_size == 16
     use_method(model, name)
-    assert torch.equal(key_scorer.get_key_directions(model.model.layers[0].self_attn), directions[0])
+    assert torch.equal(gates.get_key_directions(model.model.layers[0].self_attn), directions[0])
     use_method(model, "plas-block_size=16")
-    assert key_scorer.get_key_directions(model.model.layers[0].self_attn) is None
+    assert gates.get_key_directions(model.model.layers[0].self_attn) is None
     with pytest.raises(ValueError, match="PLAS option"):
         sparse_config(f"xattn-keys={folder}")
 
@@ -254,12 +258,13 @@ def test_selection_on_the_gpu_equals_the_cpus(monkeypatch, stride, padding):
 
 def test_a_padded_batch_past_the_chunk_size_warns_once(monkeypatch, caplog):
     """A left-padded batch is scored in one chunk: past CHUNK_BYTES one warning says how much and what to do."""
-    from hf_sparse import plan
+    from hf_sparse import log
+    from hf_sparse import key_scorer
 
     gen = torch.Generator().manual_seed(8)
     query, key = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 2, 64, 16, generator=gen)
     monkeypatch.setattr(key_scorer, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(plan, "_WARNED", set())
+    monkeypatch.setattr(log, "WARNED", set())
     arguments = dict(scale=0.25, q_offset=0, kv_start=RowLayout.read(torch.tensor([0, 9])), block_size=16,
                      top_k=(2, 3), query_tile=16, sink_blocks=1, search_steps=16, query_stride=1)
     with caplog.at_level("WARNING"):

@@ -15,9 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+import hf_sparse
 from conftest import build, tiny_config
 
-from hf_sparse import long_context as lc
+from hf_sparse.tools import adapter as adapter_file
+from hf_sparse.tools import default_model
+from hf_sparse.tools import long_context
+from hf_sparse.tools import long_documents
 from hf_sparse import rope_scaling as rs
 
 
@@ -112,20 +117,20 @@ def test_warning_once_per_model_names_the_fix(caplog):
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------
-def _random_adapter(model, rank=4, alpha=8.0, seed=1, norms=True) -> lc.LongContextAdapter:
+def _random_adapter(model, rank=4, alpha=8.0, seed=1, norms=True) -> adapter_file.LongContextAdapter:
     """LoRA wrappers with random (non-zero) B factors and perturbed norms, as an adapter; the model is restored."""
-    wrappers = lc.attach_lora(model, rank, alpha, seed)
+    wrappers = adapter_file.attach_lora(model, rank, alpha, seed)
     generator = torch.Generator().manual_seed(seed)
-    norm_modules = lc.norm_modules(model) if norms else {}
+    norm_modules = adapter_file.norm_modules(model) if norms else {}
     with torch.no_grad():
         for wrapper in wrappers.values():
             wrapper.lora_B.copy_(torch.randn(wrapper.lora_B.shape, generator=generator) * 0.05)
         originals = {name: m.weight.clone() for name, m in norm_modules.items()}
         for module in norm_modules.values():
             module.weight.add_(torch.randn(module.weight.shape, generator=generator) * 0.1)
-    adapter = lc.adapter_from_lora(wrappers, norm_modules, rope=rs.rope_parameters(model.config),
+    adapter = adapter_file.adapter_from_lora(wrappers, norm_modules, rope=rs.rope_parameters(model.config),
                                    base_model="tiny", seq_lengths=[64], tokens_trained=1234)
-    lc.detach_lora(model)
+    adapter_file.detach_lora(model)
     with torch.no_grad():
         for name, module in norm_modules.items():
             module.weight.copy_(originals[name])
@@ -135,16 +140,16 @@ def _random_adapter(model, rank=4, alpha=8.0, seed=1, norms=True) -> lc.LongCont
 def test_adapter_file_round_trip(tmp_path):
     model = build(tiny_config(), "sdpa")
     adapter = _random_adapter(model)
-    path = lc.save_adapter(adapter, tmp_path / "adapter.safetensors", dtype=torch.float32)
-    loaded = lc.load_adapter(path)
+    path = adapter_file.save_adapter(adapter, tmp_path / "adapter.safetensors", dtype=torch.float32)
+    loaded = adapter_file.load_adapter(path)
     summary = (loaded.rank, loaded.alpha, loaded.base_model, loaded.seq_length, loaded.tokens_trained)
     assert summary == (4, 8.0, "tiny", 64, 1234)
-    assert loaded.rope_parameters == adapter.rope_parameters and loaded.projections == list(lc.PROJECTIONS)
+    assert loaded.rope_parameters == adapter.rope_parameters and loaded.projections == list(adapter_file.PROJECTIONS)
     assert set(loaded.lora) == set(adapter.lora) and len(loaded.lora) == 2 * 7
     assert all(torch.equal(loaded.lora[n][0], adapter.lora[n][0]) and torch.equal(loaded.lora[n][1], adapter.lora[n][1])
                for n in adapter.lora)
     assert all(torch.equal(loaded.norms[n], adapter.norms[n]) for n in adapter.norms) and len(loaded.norms) == 5
-    small = lc.load_adapter(lc.save_adapter(adapter, tmp_path / "bf16.safetensors"))  # bfloat16 factors
+    small = adapter_file.load_adapter(adapter_file.save_adapter(adapter, tmp_path / "bf16.safetensors"))  # bfloat16 factors
     assert small.lora["layers.0.self_attn.q_proj"][0].dtype == torch.bfloat16
     torch.testing.assert_close(small.lora["layers.0.self_attn.q_proj"][1].float(),
                                adapter.lora["layers.0.self_attn.q_proj"][1], rtol=1e-2, atol=1e-4)
@@ -158,14 +163,14 @@ def test_merged_model_equals_the_lora_forward():
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         base = model(input_ids=ids).logits
-        wrappers = lc.attach_lora(model, adapter.rank, adapter.alpha)
+        wrappers = adapter_file.attach_lora(model, adapter.rank, adapter.alpha)
         with torch.no_grad():
             for name, wrapper in wrappers.items():
                 wrapper.lora_A.copy_(adapter.lora[name][0])
                 wrapper.lora_B.copy_(adapter.lora[name][1])
         lora = model(input_ids=ids).logits
-        lc.detach_lora(model)
-        merged = lc.merge_adapter(build(config, "sdpa"), adapter)(input_ids=ids).logits
+        adapter_file.detach_lora(model)
+        merged = adapter_file.merge_adapter(build(config, "sdpa"), adapter)(input_ids=ids).logits
     assert (lora - base).abs().max() > 1e-2, "the update changes the output"
     torch.testing.assert_close(merged, lora, rtol=1e-5, atol=1e-5)
 
@@ -186,7 +191,7 @@ def _resave(path, target, metadata=None, drop=(), extra=None):
 
 def test_loader_refuses_what_it_cannot_read(tmp_path):
     model = build(tiny_config(), "sdpa")
-    good = lc.save_adapter(_random_adapter(model), tmp_path / "good.safetensors")
+    good = adapter_file.save_adapter(_random_adapter(model), tmp_path / "good.safetensors")
     cases = [
         ({"format_version": "2"}, (), None, "format version '2'"),
         ({"format": "something else"}, (), None, "not a long-context adapter"),
@@ -196,26 +201,25 @@ def test_loader_refuses_what_it_cannot_read(tmp_path):
         ({"rank": "8"}, (), None, "not \\[rank, in\\] and \\[out, rank\\] with rank 8"),
     ]
     for number, (metadata, drop, extra, message) in enumerate(cases):
-        with pytest.raises(lc.AdapterError, match=message):
-            lc.load_adapter(_resave(good, tmp_path / f"bad{number}.safetensors", metadata, drop, extra))
+        with pytest.raises(adapter_file.AdapterError, match=message):
+            adapter_file.load_adapter(_resave(good, tmp_path / f"bad{number}.safetensors", metadata, drop, extra))
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
-    with pytest.raises(lc.AdapterError, match="not a readable safetensors file"):
-        lc.load_adapter(tmp_path / "junk.safetensors")
+    with pytest.raises(adapter_file.AdapterError, match="not a readable safetensors file"):
+        adapter_file.load_adapter(tmp_path / "junk.safetensors")
     with pytest.raises(FileNotFoundError):
-        lc.load_adapter(tmp_path / "missing.safetensors")
+        adapter_file.load_adapter(tmp_path / "missing.safetensors")
 
     wider = build(tiny_config(head_dim=32), "sdpa")  # same layer count, other shapes
-    with pytest.raises(lc.AdapterError, match="trained for another model"):
-        lc.merge_adapter(wider, lc.load_adapter(good))
+    with pytest.raises(adapter_file.AdapterError, match="trained for another model"):
+        adapter_file.merge_adapter(wider, adapter_file.load_adapter(good))
     deeper = build(tiny_config(layers=3), "sdpa")
-    with pytest.raises(lc.AdapterError, match="7 projections without factors"):
-        lc.merge_adapter(deeper, lc.load_adapter(good))
+    with pytest.raises(adapter_file.AdapterError, match="7 projections without factors"):
+        adapter_file.merge_adapter(deeper, adapter_file.load_adapter(good))
 
 
 def test_long_context_default_needs_the_adapter_file(tmp_path, monkeypatch):
-    from hf_sparse import default_model
 
-    monkeypatch.setattr(lc, "SHIPPED_ADAPTER", tmp_path / "smollm2_long_context.safetensors")
+    monkeypatch.setattr(default_model, "SHIPPED_ADAPTER", tmp_path / "smollm2_long_context.safetensors")
     with pytest.raises(FileNotFoundError, match="does not ship it.*train-long-context"):
         default_model.load_default_model(long_context=True)
     with pytest.raises(FileNotFoundError, match="check the path"):
@@ -225,7 +229,7 @@ def test_long_context_default_needs_the_adapter_file(tmp_path, monkeypatch):
 # -- the loss and training ------------------------------------------------------------------------------------
 def test_chunked_loss_equals_the_full_loss_and_its_gradient():
     model = build(tiny_config(), "sdpa")
-    wrappers = lc.attach_lora(model, 4, 8.0)
+    wrappers = adapter_file.attach_lora(model, 4, 8.0)
     with torch.no_grad():
         for wrapper in wrappers.values():
             wrapper.lora_B.normal_(std=0.05)
@@ -234,13 +238,13 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradient():
     full.backward()
     reference = {name: w.lora_A.grad.clone() for name, w in wrappers.items()}
     model.zero_grad()
-    chunked = lc.causal_lm_loss(model, ids, chunk=16)  # 60 positions: chunks of 16, 16, 16, 12
+    chunked = long_context.causal_lm_loss(model, ids, chunk=16)  # 60 positions: chunks of 16, 16, 16, 12
     chunked.backward()
     torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
     for name, wrapper in wrappers.items():
         torch.testing.assert_close(wrapper.lora_A.grad, reference[name], rtol=1e-4, atol=1e-7)
     with torch.no_grad():
-        torch.testing.assert_close(lc.causal_lm_loss(model, ids, chunk=1000), full.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(long_context.causal_lm_loss(model, ids, chunk=1000), full.detach(), rtol=1e-5, atol=1e-6)
 
 
 def _repetitive_tokens(length=4096, period=7):
@@ -251,23 +255,23 @@ def _repetitive_tokens(length=4096, period=7):
 def test_training_lowers_the_loss_and_leaves_the_model_alone(tmp_path):
     model = build(tiny_config(), "sdpa")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    config = lc.LongContextTrainingConfig(rank=8, learning_rate=1e-2, warmup_steps=2, max_steps=40, loss_chunk=24)
-    result = lc.train_long_context(model, _repetitive_tokens(), 64, config, output=tmp_path / "a.safetensors",
+    config = long_context.LongContextTrainingConfig(rank=8, learning_rate=1e-2, warmup_steps=2, max_steps=40, loss_chunk=24)
+    result = long_context.train_long_context(model, _repetitive_tokens(), 64, config, output=tmp_path / "a.safetensors",
                                    log_path=tmp_path / "log.jsonl", progress=False)
     first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"  # 4.82 -> 3.42 nats (LoRA on a random model)
     assert result.steps == 40 and result.tokens == 40 * 64 and result.stopped == "budget"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "weights and norms restored"
-    assert not any(isinstance(m, lc.LoRALinear) for m in model.modules())
+    assert not any(isinstance(m, adapter_file.LoRALinear) for m in model.modules())
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     assert set(records[0]) >= {"step", "tokens", "loss", "lr", "seconds", "tokens_per_second"}
     assert records[0]["lr"] == pytest.approx(5e-3), "warm-up"
     assert records[-1]["lr"] == pytest.approx(1e-3, rel=0.05), "cosine decay to min_lr_ratio"
-    merged = lc.merge_adapter(model, lc.load_adapter(result.path))
+    merged = adapter_file.merge_adapter(model, adapter_file.load_adapter(result.path))
     ids = _repetitive_tokens(64)[None]
     with torch.no_grad():
-        assert float(lc.causal_lm_loss(merged, ids)) < first - 1.0, "the merged adapter keeps what was learnt"
+        assert float(long_context.causal_lm_loss(merged, ids)) < first - 1.0, "the merged adapter keeps what was learnt"
 
 
 class _Crash(Exception):
@@ -275,10 +279,10 @@ class _Crash(Exception):
 
 
 def test_resume_reaches_the_uninterrupted_state(tmp_path):
-    config = lc.LongContextTrainingConfig(rank=4, learning_rate=5e-3, warmup_steps=2, max_steps=6, checkpoint_every=3,
+    config = long_context.LongContextTrainingConfig(rank=4, learning_rate=5e-3, warmup_steps=2, max_steps=6, checkpoint_every=3,
                                           loss_chunk=20)
     tokens = torch.randint(1, 128, (2000,), generator=torch.Generator().manual_seed(1))
-    reference = lc.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, progress=False)
+    reference = long_context.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, progress=False)
 
     def crash_at_5(record):
         if record["step"] == 5:
@@ -286,9 +290,9 @@ def test_resume_reaches_the_uninterrupted_state(tmp_path):
 
     checkpoint = tmp_path / "run.checkpoint.safetensors"
     with pytest.raises(_Crash):
-        lc.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=checkpoint,
+        long_context.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=checkpoint,
                               log_path=tmp_path / "log.jsonl", on_step=crash_at_5, progress=False)
-    resumed = lc.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=checkpoint,
+    resumed = long_context.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=checkpoint,
                                     resume=checkpoint, log_path=tmp_path / "log.jsonl", progress=False)
     assert resumed.resumed_from == 3 and resumed.steps == reference.steps == 6 and resumed.tokens == 300
     assert resumed.losses == pytest.approx(reference.losses[3:], rel=1e-6)
@@ -300,24 +304,24 @@ def test_resume_reaches_the_uninterrupted_state(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 4, 5, 6], "the log goes on (the crashed step 4-5 are redone)"
 
-    stop_at_2 = lc.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=tmp_path / "b",
+    stop_at_2 = long_context.train_long_context(build(tiny_config(), "sdpa"), tokens, 50, config, checkpoint=tmp_path / "b",
                                       on_step=lambda record: record["step"] == 2, progress=False)
     assert stop_at_2.stopped == "requested" and stop_at_2.steps == 2
     with pytest.raises(ValueError, match="rank"):
-        lc.train_long_context(build(tiny_config(), "sdpa"), tokens, 50,
-                              lc.LongContextTrainingConfig(rank=8, max_steps=6), resume=checkpoint, progress=False)
+        long_context.train_long_context(build(tiny_config(), "sdpa"), tokens, 50,
+                              long_context.LongContextTrainingConfig(rank=8, max_steps=6), resume=checkpoint, progress=False)
     with pytest.raises(ValueError, match="other token data"):
-        lc.train_long_context(build(tiny_config(), "sdpa"), tokens + 1, 50, config, resume=checkpoint, progress=False)
+        long_context.train_long_context(build(tiny_config(), "sdpa"), tokens + 1, 50, config, resume=checkpoint, progress=False)
 
 
 def test_deadline_stops_cleanly_and_saves(tmp_path):
-    config = lc.LongContextTrainingConfig(rank=4, max_minutes=1e-9, loss_chunk=32)
-    result = lc.train_long_context(build(tiny_config(), "sdpa"), _repetitive_tokens(), 32, config,
+    config = long_context.LongContextTrainingConfig(rank=4, max_minutes=1e-9, loss_chunk=32)
+    result = long_context.train_long_context(build(tiny_config(), "sdpa"), _repetitive_tokens(), 32, config,
                                    output=tmp_path / "a.safetensors", checkpoint=tmp_path / "ckpt", progress=False)
     assert result.stopped == "deadline" and result.steps == 0
     assert result.path.is_file() and (tmp_path / "ckpt").is_file()
     with pytest.raises(ValueError, match="set a budget"):
-        lc.LongContextTrainingConfig()
+        long_context.LongContextTrainingConfig()
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -347,7 +351,7 @@ def _fake_sources(tmp_path):
 
 def test_documents_group_packages_and_prose(tmp_path):
     site, prose = _fake_sources(tmp_path)
-    sources = lc.long_documents(prose, site_packages=site, split="all", max_document_chars=40_000)
+    sources = long_documents.long_documents(prose, site_packages=site, split="all", max_document_chars=40_000)
     names = [d.name for d in sources["code"]]
     assert names == ["code:alpha#0", "code:alpha#1", "code:beta#0", "code:top-level modules#0"]
     alpha = sources["code"][0]
@@ -358,8 +362,8 @@ def test_documents_group_packages_and_prose(tmp_path):
     assert "Options are given" in sources["prose"][2].read(), ".xz read with lzma"
     assert all(".dist-info" not in p and "typing_extensions" not in p for d in sources["code"] for p in d.paths)
     common = dict(site_packages=site, heldout_share=0.5, max_document_chars=40_000)
-    train = lc.long_documents(prose, **common)
-    heldout = lc.long_documents(prose, **common, split="heldout")
+    train = long_documents.long_documents(prose, **common)
+    heldout = long_documents.long_documents(prose, **common, split="heldout")
     train_names = {d.name for docs in train.values() for d in docs}
     heldout_names = {d.name for docs in heldout.values() for d in docs}
     assert train_names and heldout_names and not train_names & heldout_names
@@ -368,11 +372,11 @@ def test_documents_group_packages_and_prose(tmp_path):
 
 def test_stream_is_deterministic_packs_to_length_and_resumes(tmp_path):
     site, prose = _fake_sources(tmp_path)
-    sources = lc.long_documents(prose, site_packages=site, split="all", max_document_chars=40_000)
+    sources = long_documents.long_documents(prose, site_packages=site, split="all", max_document_chars=40_000)
     tokenizer = CharTokenizer()
 
     def stream(seed=0):
-        return lc.LongDocumentStream(sources, tokenizer, [1000, 3000], seed=seed, retrieval_share=0.2)
+        return long_documents.LongDocumentStream(sources, tokenizer, [1000, 3000], seed=seed, retrieval_share=0.2)
 
     first = [next(stream_a) for stream_a in [stream()] for _ in range(12)]
     again = stream()
@@ -394,7 +398,7 @@ def test_stream_is_deterministic_packs_to_length_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="seed"):
         stream(seed=3).load_state_dict(state)
 
-    code_only = lc.LongDocumentStream(sources["code"], tokenizer, 70_000, retrieval_share=0.0)
+    code_only = long_documents.LongDocumentStream(sources["code"], tokenizer, 70_000, retrieval_share=0.0)
     long_sequence = next(code_only)  # longer than a tokenizer piece and than some documents
     assert len(long_sequence) == 70_000
     joined = "|".join(d.read() for d in sources["code"])
@@ -403,15 +407,15 @@ def test_stream_is_deterministic_packs_to_length_and_resumes(tmp_path):
 
 
 def test_training_data_never_reads_the_standard_library(monkeypatch):
-    documents = lc.package_documents(max_document_chars=100_000)
+    documents = long_documents.package_documents(max_document_chars=100_000)
     paths = [os.path.realpath(p) for d in documents for p in d.paths]
     assert len(paths) > 100
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
-    own = os.path.realpath(os.path.dirname(lc.__file__))
-    assert not any(lc.is_stdlib_path(p) for p in paths)
+    own = os.path.realpath(os.path.dirname(hf_sparse.__file__))
+    assert not any(long_documents.is_stdlib_path(p) for p in paths)
     assert not any(p.startswith(own + os.sep) for p in paths), "hf_sparse itself is left out"
-    assert lc.is_stdlib_path(os.path.join(stdlib, "pydoc_data", "topics.py"))  # stdlib_prose's source
-    assert lc.is_stdlib_path(os.path.join(stdlib, "os.py"))
+    assert long_documents.is_stdlib_path(os.path.join(stdlib, "pydoc_data", "topics.py"))  # stdlib_prose's source
+    assert long_documents.is_stdlib_path(os.path.join(stdlib, "os.py"))
 
     opened: list[str] = []
     real_open = builtins.open
@@ -420,12 +424,12 @@ def test_training_data_never_reads_the_standard_library(monkeypatch):
         opened.append(os.path.realpath(file) if isinstance(file, (str, os.PathLike)) else str(file))
         return real_open(file, *args, **kwargs)
 
-    stream = lc.LongDocumentStream(documents, CharTokenizer(), 20_000, retrieval_share=0.5)
+    stream = long_documents.LongDocumentStream(documents, CharTokenizer(), 20_000, retrieval_share=0.5)
     monkeypatch.setattr(builtins, "open", recording_open)
     for _ in range(4):
         next(stream)
     monkeypatch.setattr(builtins, "open", real_open)
-    assert opened and not any(lc.is_stdlib_path(p) for p in opened)
+    assert opened and not any(long_documents.is_stdlib_path(p) for p in opened)
 
 
 def test_retrieval_sequence_states_and_asks_for_its_number():
@@ -436,21 +440,21 @@ def test_retrieval_sequence_states_and_asks_for_its_number():
         return tokenizer(hay[:count]).input_ids
 
     for seed in range(20):
-        ids, number = lc.retrieval_sequence(haystack, tokenizer, 800, random.Random(seed))
+        ids, number = long_documents.retrieval_sequence(haystack, tokenizer, 800, random.Random(seed))
         text = tokenizer.decode(ids)
         assert len(ids) == 800 and 5 <= len(number) <= 7 and number.isdigit()
         assert text.count(number) == 2, text
         assert text.endswith(f" {number}.|"), "the answer and EOS end the sequence"
         assert "pass key" not in text and "The grass is green" not in text, "not the demo's evaluation text"
     with pytest.raises(ValueError, match="needs more than"):
-        lc.retrieval_sequence(haystack, tokenizer, 30, random.Random(0))
+        long_documents.retrieval_sequence(haystack, tokenizer, 30, random.Random(0))
 
 
 # -- the real model (slow) ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_default_model_yarn_from_max_length_and_adapter_from_the_cli(tmp_path, capsys):
-    from hf_sparse.cli import main
-    from hf_sparse.default_model import load_default_model
+    from hf_sparse.tools.cli import main
+    from hf_sparse.tools.default_model import load_default_model
 
     model, _ = load_default_model(max_length=40_000)
     assert model.config.rope_parameters == {"rope_type": "yarn", "factor": 5.0,
@@ -465,7 +469,7 @@ def test_default_model_yarn_from_max_length_and_adapter_from_the_cli(tmp_path, c
                  "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "tokens/min" in printed and out.is_file() and (tmp_path / "adapter.log.jsonl").is_file()
-    adapter = lc.load_adapter(out)
+    adapter = adapter_file.load_adapter(out)
     assert adapter.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and adapter.seq_length == 64
     assert adapter.tokens_trained == 64 and adapter.rope_parameters["factor"] == 2.0
     long, _ = load_default_model(adapter_path=out)
@@ -478,8 +482,7 @@ def test_default_model_yarn_from_max_length_and_adapter_from_the_cli(tmp_path, c
 
 @pytest.mark.slow
 def test_cli_picks_the_yarn_factor_from_the_prompt(monkeypatch):
-    from hf_sparse import default_model
-    from hf_sparse.cli import main
+    from hf_sparse.tools import cli
 
     seen = []
 
@@ -487,33 +490,33 @@ def test_cli_picks_the_yarn_factor_from_the_prompt(monkeypatch):
         seen.append(kwargs)
         raise _Crash
 
-    monkeypatch.setattr(default_model, "load_default_model", fake_load)
+    monkeypatch.setattr(cli, "load_default_model", fake_load)
     prompt = "word " * 300
     with pytest.raises(_Crash):
-        main(["generate", "--prompt", prompt, "--max-new-tokens", "9000", "--method", "sdpa"])
+        cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "9000", "--method", "sdpa"])
     from transformers import AutoTokenizer
 
     prompt_tokens = len(AutoTokenizer.from_pretrained(default_model.default_model_dir())(prompt).input_ids)
     assert seen[-1]["max_length"] == prompt_tokens + 9000 and not seen[-1]["long_context"]
     with pytest.raises(_Crash):
-        main(["generate", "--prompt", prompt, "--long-context", "--method", "sdpa"])
+        cli.main(["generate", "--prompt", prompt, "--long-context", "--method", "sdpa"])
     assert seen[-1]["long_context"]
     with pytest.raises(SystemExit, match="--long-context gives the long-context default"):
-        main(["generate", "--prompt", prompt, "--long-context", "--rope-scaling", "yarn:2"])
+        cli.main(["generate", "--prompt", prompt, "--long-context", "--rope-scaling", "yarn:2"])
     with pytest.raises(SystemExit, match="yarn:FACTOR"):
-        main(["generate", "--prompt", prompt, "--rope-scaling", "linear:2"])
+        cli.main(["generate", "--prompt", prompt, "--rope-scaling", "linear:2"])
 
 
 @pytest.mark.slow
 def test_the_shipped_adapter_makes_the_long_context_default_model(smollm2):
     """The adapter in the package (trained on an H100, docs/quality.md) loads into the default model with the rope
     it was trained with, and on 1,024 tokens of held-out prose the merged model predicts no worse than the base."""
-    from hf_sparse.default_model import load_default_model
-    from hf_sparse.eval import held_out_sequences
+    from hf_sparse.tools.default_model import load_default_model
+    from hf_sparse.tools.eval import held_out_sequences
 
-    adapter = lc.load_adapter(lc.SHIPPED_ADAPTER)
+    adapter = adapter_file.load_adapter(adapter_file.SHIPPED_ADAPTER)
     assert adapter.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and adapter.rope_parameters["factor"] == 16.0
-    assert adapter.tokens_trained > 1_000_000 and lc.SHIPPED_ADAPTER.stat().st_size < 16 * 2**20
+    assert adapter.tokens_trained > 1_000_000 and adapter_file.SHIPPED_ADAPTER.stat().st_size < 16 * 2**20
     base, tokenizer = smollm2
     long, _ = load_default_model(long_context=True)
     assert long.config.rope_parameters == adapter.rope_parameters and long.config.max_position_embeddings == 131_072

@@ -16,7 +16,7 @@ import torch
 
 import hf_sparse
 from conftest import build, selecting_config, tiny_config
-from hf_sparse.peer_tests import full_density_config
+from hf_sparse.tools.peer_tests import full_density_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

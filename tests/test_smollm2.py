@@ -2,7 +2,7 @@
 import torch
 
 import hf_sparse
-from hf_sparse.eval import fidelity, stdlib_text
+from hf_sparse.tools.eval import fidelity, stdlib_text
 
 
 def _plas_twin():
@@ -10,7 +10,7 @@ def _plas_twin():
 
     Loaded, not deep-copied: a deep copy re-allocates the weights, and BLAS may then round a one-row
     matmul differently, which would break bit-equality for reasons unrelated to attention."""
-    from hf_sparse.default_model import load_default_model
+    from hf_sparse.tools.default_model import load_default_model
 
     return load_default_model(attn_implementation="plas")[0]
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import transformers
 from packaging.version import Version

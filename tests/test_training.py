@@ -12,8 +12,13 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from hf_sparse import gates, training
-from hf_sparse.cli import main as cli_main
+from hf_sparse import gate_files
+from hf_sparse import gates
+from hf_sparse.tools import gate_eval
+from hf_sparse.tools import gate_objective
+from hf_sparse.tools import gate_training
+from hf_sparse.tools import text_data
+from hf_sparse.tools.cli import main as cli_main
 
 from conftest import build, tiny_config
 
@@ -68,7 +73,7 @@ def test_objective_matches_brute_force(gated, sink_blocks, pool):
     query = torch.randn(1, 4, 72, 8, generator=generator)
     key = torch.randn(1, 2, 72, 8, generator=generator)
     gate = torch.rand(2, 16, 8, generator=generator) / 16 if gated else None
-    loss = training.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks,
+    loss = gate_objective.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks,
                                            pool=pool)
     assert loss.item() > 0
     expected = _brute_force_loss(query, key, gate, 16, 0.5, sink_blocks, pool)
@@ -82,7 +87,7 @@ def test_ranking_objective_matches_brute_force(sink_blocks, top_k):
     query = torch.randn(1, 4, 88, 8, generator=generator)
     key = torch.randn(1, 2, 88, 8, generator=generator)
     gate = (torch.rand(2, 16, 8, generator=generator) / 16).requires_grad_()
-    loss = training.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks,
+    loss = gate_objective.gate_distillation_loss(query, key, gate, 16, scale=0.5, query_chunk=7, sink_blocks=sink_blocks,
                                            pool="sum", objective="ranking", ranking_top_k=top_k)
     expected = _brute_force_loss(query, key, gate.detach(), 16, 0.5, sink_blocks, "sum", ranking_top_k=top_k)
     assert expected > 0 and loss.item() == pytest.approx(expected, rel=1e-5)
@@ -95,14 +100,14 @@ def test_gradient_reaches_only_the_gate():
     query = torch.randn(1, 4, 64, 8, generator=generator, requires_grad=True)
     key = torch.randn(1, 2, 64, 8, generator=generator, requires_grad=True)
     gate = torch.full((2, 16, 8), 1 / 16, requires_grad=True)
-    training.gate_distillation_loss(query.detach(), key.detach(), gate, 16, scale=0.5).backward()
+    gate_objective.gate_distillation_loss(query.detach(), key.detach(), gate, 16, scale=0.5).backward()
     assert gate.grad is not None and torch.isfinite(gate.grad).all() and gate.grad.abs().sum() > 0
     assert query.grad is None and key.grad is None
 
 
 def _texts() -> list[str]:
     root = os.path.dirname(transformers.__file__)
-    return training.read_text_files(sorted(glob.glob(os.path.join(root, "models", "llama", "*.py"))))
+    return text_data.read_text_files(sorted(glob.glob(os.path.join(root, "models", "llama", "*.py"))))
 
 
 def _weights_hash(model) -> str:
@@ -113,21 +118,21 @@ def _weights_hash(model) -> str:
     return digest.hexdigest()
 
 
-def _config(**overrides) -> training.GateTrainingConfig:
+def _config(**overrides) -> gate_training.GateTrainingConfig:
     settings = dict(seq_length=SEQ, block_size=BLOCK, layers=LAYERS, max_tokens=SEQ * 10, learning_rate=2e-3,
                     warmup_steps=2, checkpoint_every=3, seed=0)
     settings.update(overrides)
-    return training.GateTrainingConfig(**settings)
+    return gate_training.GateTrainingConfig(**settings)
 
 
 def test_training_on_smollm2_lowers_the_loss_and_leaves_the_model_alone(smollm2, tmp_path):
     model, tokenizer = smollm2
     before = _weights_hash(model)
     requires_grad = [p.requires_grad for p in model.parameters()]
-    sequences = training.pack_sequences(training.token_stream(_texts(), tokenizer, 4 * SEQ), SEQ)
+    sequences = text_data.pack_sequences(text_data.token_stream(_texts(), tokenizer, 4 * SEQ), SEQ)
     assert sequences.shape == (4, SEQ)
     # 4 epochs over 4 sequences: each epoch sees every sequence once (seeded order), so epoch means compare.
-    result = training.train_gates(model, sequences, _config(max_tokens=SEQ * 16), output_dir=tmp_path, progress=False)
+    result = gate_training.train_gates(model, sequences, _config(max_tokens=SEQ * 16), output_dir=tmp_path, progress=False)
     try:
         assert _weights_hash(model) == before, "model weights unchanged"
         assert [p.requires_grad for p in model.parameters()] == requires_grad
@@ -135,8 +140,8 @@ def test_training_on_smollm2_lowers_the_loss_and_leaves_the_model_alone(smollm2,
         assert result.steps == 16 and len(result.losses) == 16 and sorted(result.gates) == list(LAYERS)
         epochs = [sum(result.losses[i : i + 4]) / 4 for i in range(0, 16, 4)]
         assert epochs[-1] < 0.5 * epochs[0], f"loss per epoch {epochs}"
-        assert result.path == tmp_path / gates.GATE_FILENAME
-        on_disk = gates.read_gate_file(result.path, gates.gate_spec(model, BLOCK))
+        assert result.path == tmp_path / gate_files.GATE_FILENAME
+        on_disk = gate_files.read_gate_file(result.path, gates.gate_spec(model, BLOCK))
         assert all(torch.equal(on_disk[i], result.gates[i]) for i in LAYERS)
         assert all(torch.equal(gates.get_gates(model)[i], result.gates[i]) for i in LAYERS), "attached"
     finally:
@@ -158,7 +163,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(smollm2, tmp_path):
     texts = _texts()
     handler = signal.getsignal(signal.SIGINT)  # the default one, or SIG_IGN under a runner started with nohup / &
     try:
-        reference = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
+        reference = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
                                          progress=False)
 
         def crash_at_5(step, loss):  # a hard failure: everything after the step-3 checkpoint is redone
@@ -166,9 +171,9 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(smollm2, tmp_path):
                 raise _Crash
 
         with pytest.raises(_Crash):
-            training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+            gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
                                  progress=False, on_step=crash_at_5)
-        resumed = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+        resumed = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
                                        progress=False)
         assert resumed.resumed_from == 3
 
@@ -177,21 +182,21 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(smollm2, tmp_path):
                 os.kill(os.getpid(), signal.SIGINT)
 
         with pytest.raises(KeyboardInterrupt, match="interrupted after step 4"):
-            training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
+            gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
                                  progress=False, on_step=interrupt_at_4)
         assert signal.getsignal(signal.SIGINT) is handler, "handler restored"
-        interrupted = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
+        interrupted = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "c",
                                            progress=False)
         assert interrupted.resumed_from == 4
         for run in (resumed, interrupted):
             assert run.losses == reference.losses
             assert all(torch.equal(run.gates[i], reference.gates[i]) for i in LAYERS)
-            assert _file_contents(tmp_path / "a" / gates.GATE_FILENAME) == _file_contents(run.path)
+            assert _file_contents(tmp_path / "a" / gate_files.GATE_FILENAME) == _file_contents(run.path)
 
         with pytest.raises(ValueError, match="learning_rate: 0.002 -> 0.001"):
-            training.train_gates(model, texts, _config(learning_rate=1e-3), tokenizer=tokenizer,
+            gate_training.train_gates(model, texts, _config(learning_rate=1e-3), tokenizer=tokenizer,
                                  output_dir=tmp_path / "a", progress=False)
-        other_seed = training.train_gates(model, texts, _config(seed=1), tokenizer=tokenizer, progress=False)
+        other_seed = gate_training.train_gates(model, texts, _config(seed=1), tokenizer=tokenizer, progress=False)
         assert not torch.equal(other_seed.gates[LAYERS[0]], reference.gates[LAYERS[0]]), "the seed sets the data order"
     finally:
         gates.set_gates(model, None)
@@ -215,7 +220,7 @@ def test_log_held_out_evaluations_and_a_deadline_that_resumes(smollm2, tmp_path,
         return [json.loads(line) for line in path.read_text().splitlines()]
 
     try:
-        reference = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
+        reference = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "a",
                                          progress=False, log_path=tmp_path / "a.jsonl", evaluate=evaluate,
                                          eval_every=4)
         lines = read(tmp_path / "a.jsonl")
@@ -230,16 +235,16 @@ def test_log_held_out_evaluations_and_a_deadline_that_resumes(smollm2, tmp_path,
         assert evals[0]["eval"] == {"mean_gate": pytest.approx(1.0 / BLOCK)}
 
         clock = iter(range(0, 10_000, 10))  # each reading of the clock 10 s later: steps of 10 s
-        monkeypatch.setattr(training, "_now", lambda: next(clock))
+        monkeypatch.setattr(gate_training, "_now", lambda: next(clock))
         gates.set_gates(model, None)
-        stopped = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+        stopped = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
                                        progress=False, log_path=tmp_path / "b.jsonl", evaluate=evaluate,
                                        eval_every=4, max_minutes=1.0)
         assert stopped.stopped == "deadline" and stopped.path is None and len(stopped.losses) == 2
         assert not gates.get_gates(model), "nothing attached at a deadline"
-        assert not (tmp_path / "b" / gates.GATE_FILENAME).exists()
-        monkeypatch.setattr(training, "_now", __import__("time").monotonic)
-        resumed = training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
+        assert not (tmp_path / "b" / gate_files.GATE_FILENAME).exists()
+        monkeypatch.setattr(gate_training, "_now", __import__("time").monotonic)
+        resumed = gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, output_dir=tmp_path / "b",
                                        progress=False, log_path=tmp_path / "b.jsonl", evaluate=evaluate,
                                        eval_every=4)
         assert resumed.resumed_from == 2 and resumed.losses == reference.losses
@@ -248,7 +253,7 @@ def test_log_held_out_evaluations_and_a_deadline_that_resumes(smollm2, tmp_path,
         assert [line["step"] for line in lines if "loss" in line] == list(range(1, 11))
         assert [line["step"] for line in lines if "eval" in line] == [0, 4, 8, 10]
         with pytest.raises(ValueError, match="max_minutes"):
-            training.train_gates(model, texts, _config(), tokenizer=tokenizer, progress=False, max_minutes=0)
+            gate_training.train_gates(model, texts, _config(), tokenizer=tokenizer, progress=False, max_minutes=0)
     finally:
         gates.set_gates(model, None)
 
@@ -265,9 +270,9 @@ def test_cli_train_gates(smollm2, tmp_path, capsys):
     assert code == 0
     assert "trained 1 layer gate(s) on 768 tokens in 3 steps" in capsys.readouterr().out
     model, _ = smollm2
-    written = gates.read_gate_file(out / gates.GATE_FILENAME, gates.gate_spec(model, BLOCK))
+    written = gate_files.read_gate_file(out / gate_files.GATE_FILENAME, gates.gate_spec(model, BLOCK))
     assert sorted(written) == [0]
-    assert (out / training.CHECKPOINT_FILENAME).is_file()
+    assert (out / gate_training.CHECKPOINT_FILENAME).is_file()
 
 
 def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch):
@@ -277,9 +282,9 @@ def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch
 
     def fake_train(model, texts, config, **kwargs):
         seen.update(config=config, texts=texts)
-        return training.GateTrainingResult({}, [0.5], 1, SEQ, 0, None)
+        return gate_training.GateTrainingResult({}, [0.5], 1, SEQ, 0, None)
 
-    monkeypatch.setattr(training, "train_gates", fake_train)
+    monkeypatch.setattr(gate_training, "train_gates", fake_train)
     data = tmp_path / "data"
     data.mkdir()
     (data / "own.py").write_text("x = 1\n")
@@ -291,8 +296,8 @@ def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch
     assert config.target == "sum" and config.skip_forced_blocks is False
     assert config.objective == "ranking" and config.ranking_top_k == 5
     with pytest.raises(ValueError, match="objective must be one of"):
-        training.GateTrainingConfig(objective="listwise")
-    from hf_sparse.eval import stdlib_training_files
+        gate_training.GateTrainingConfig(objective="listwise")
+    from hf_sparse.tools.eval import stdlib_training_files
 
     assert len(seen["texts"]) == len(stdlib_training_files()) + 1 and seen["texts"][-1] == "x = 1\n"
 
@@ -300,7 +305,6 @@ def test_cli_train_gates_options_reach_the_config(smollm2, tmp_path, monkeypatch
 def test_cli_train_gates_long_context_log_eval_and_deadline(smollm2, tmp_path, monkeypatch, capsys):
     """--long-context loads the long-context default model at the run's length; --log, --eval-every (held-out
     prose through evaluate_gates) and --max-minutes reach train_gates; a deadline stop says how to resume."""
-    import hf_sparse.default_model as default_model
 
     model, tokenizer = smollm2
     seen = {}
@@ -312,11 +316,11 @@ def test_cli_train_gates_long_context_log_eval_and_deadline(smollm2, tmp_path, m
     def fake_train(model, texts, config, **kwargs):
         seen.update(kwargs)
         seen["metrics"] = kwargs["evaluate"]({})
-        return training.GateTrainingResult({}, [0.5, 0.4], 9, 9 * SEQ, 0, None, "deadline")
+        return gate_training.GateTrainingResult({}, [0.5, 0.4], 9, 9 * SEQ, 0, None, "deadline")
 
-    monkeypatch.setattr(default_model, "load_default_model", fake_load)
-    monkeypatch.setattr(training, "train_gates", fake_train)
-    monkeypatch.setattr(training, "evaluate_gates", lambda *args, **kwargs: training.GateMetrics(
+    monkeypatch.setattr(gate_training, "load_default_model", fake_load)
+    monkeypatch.setattr(gate_training, "train_gates", fake_train)
+    monkeypatch.setattr(gate_training, "evaluate_gates", lambda *args, **kwargs: gate_eval.GateMetrics(
         kl=0.5, top1=0.25, kl_all=0.0, top1_all=0.0, recall=0.75, oracle_recall=0.875, density=0.25, per_layer={}))
     (tmp_path / "own.py").write_text("x = 1\n" * 50)
     out = tmp_path / "out"
@@ -340,8 +344,8 @@ def test_evaluate_gates_mean_pooling_equals_constant_gates():
     ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
     constant = gates.mean_pooling_gates(model, block_size=16)
     constant[1] = torch.full_like(constant[0], 1 / 16)
-    a = training.evaluate_gates(model, ids, None, layers=[0, 1], block_size=16)
-    b = training.evaluate_gates(model, ids, constant, layers=[0, 1], block_size=16)
+    a = gate_eval.evaluate_gates(model, ids, None, layers=[0, 1], block_size=16)
+    b = gate_eval.evaluate_gates(model, ids, constant, layers=[0, 1], block_size=16)
     assert a.kl == pytest.approx(b.kl, rel=1e-5) and a.recall == pytest.approx(b.recall, rel=1e-6)
     assert 0 < a.recall <= a.oracle_recall <= 1 + 1e-6 and 0 <= a.top1 <= 1 and 0 < a.density <= 1
     assert set(a.per_layer) == {0, 1}
@@ -351,7 +355,7 @@ def test_training_data_and_held_out_prose_are_disjoint():
     """Gate training reads the stdlib's package sources; the held-out prose comes from files it never reads."""
     import sysconfig
 
-    from hf_sparse.eval import stdlib_prose, stdlib_training_files, stdlib_text
+    from hf_sparse.tools.eval import stdlib_prose, stdlib_training_files, stdlib_text
 
     root = sysconfig.get_paths()["stdlib"]
     files = stdlib_training_files()
@@ -363,6 +367,6 @@ def test_training_data_and_held_out_prose_are_disjoint():
     assert len(prose) > 500_000 and prose.startswith("The \"assert\" statement")  # the reference's topics first
     assert stdlib_text(1000)[:1000] not in prose  # the benchmarks' top-level source is not the prose either
     # No training file holds a stretch of the held-out prose (samples across it).
-    training_text = "".join(training.read_text_files(files))
+    training_text = "".join(text_data.read_text_files(files))
     for start in range(0, len(prose) - 300, len(prose) // 25):
         assert prose[start:start + 300] not in training_text, prose[start:start + 80]

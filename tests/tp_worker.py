@@ -21,7 +21,7 @@ import hf_sparse
 from hf_sparse import fusion
 from hf_sparse.cache import CACHE_KWARG
 from hf_sparse.distributed import tensor_parallel_kwargs, tensor_parallel_rank_and_size
-from hf_sparse.peer_tests import full_density_config
+from hf_sparse.tools.peer_tests import full_density_config
 
 from conftest import selecting_config  # this script's folder is on sys.path (python tests/tp_worker.py)
 
@@ -107,8 +107,8 @@ def gated(model, whole, ids, mask, mean_pooled_logits, folder: Path) -> tuple[di
         "key_rows_are_rank_chunk": bool(torch.equal(
             key_weight.detach().cpu(), whole.model.layers[0].self_attn.k_proj.weight.detach().cpu()[
                 tp_rank * rows:(tp_rank + 1) * rows])),
-        "resaved_equal": sorted(resaved) == sorted(hf_sparse.gates.gate_tensor_name(i) for i in gates) and all(
-            torch.equal(resaved[hf_sparse.gates.gate_tensor_name(i)], gates[i]) for i in gates),
+        "resaved_equal": sorted(resaved) == sorted(hf_sparse.gate_files.gate_tensor_name(i) for i in gates) and all(
+            torch.equal(resaved[hf_sparse.gate_files.gate_tensor_name(i)], gates[i]) for i in gates),
     }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, checks)

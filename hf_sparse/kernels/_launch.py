@@ -28,6 +28,7 @@ parameters. Triton's check that the kernel's global constants have not changed s
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -64,13 +65,28 @@ def _tritons_settings() -> tuple:
             getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
 
 
+def _parameters(kernel: Any) -> list[tuple[str, bool]] | None:
+    """``(name, is_constexpr)`` of each parameter of ``kernel``: a JIT function's ``params``, or, for the
+    interpreter's ``InterpretedFunction`` (no ``params``), its Python function's signature, a parameter annotated
+    ``tl.constexpr`` being a constexpr as Triton reads it. ``None`` for an object that is neither."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return [(getattr(param, "name", None), bool(getattr(param, "is_constexpr", None))) for param in params]
+    function = getattr(kernel, "fn", None)
+    if not callable(function):
+        return None
+    return [(param.name, "constexpr" in str(param.annotation))
+            for param in inspect.signature(function).parameters.values()]
+
+
 def _declared_order(kernel: Any, runtime: int, constexprs: dict[str, Any]) -> bool:
     """Whether ``kernel`` declares ``runtime`` runtime parameters followed by exactly ``constexprs``, in order."""
-    params = getattr(kernel, "params", None)
-    names = [getattr(param, "name", None) for param in params or ()]
-    kinds = [bool(getattr(param, "is_constexpr", None)) for param in params or ()]
-    return params is not None and names[runtime:] == list(constexprs) and kinds == (
-        [False] * runtime + [True] * len(constexprs))
+    parameters = _parameters(kernel)
+    if parameters is None:
+        return False
+    names = [name for name, _ in parameters]
+    kinds = [constexpr for _, constexpr in parameters]
+    return names[runtime:] == list(constexprs) and kinds == [False] * runtime + [True] * len(constexprs)
 
 
 class Launcher:

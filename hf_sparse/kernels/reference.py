@@ -673,7 +673,7 @@ def pooled_block_logits(query: torch.Tensor, key: torch.Tensor, block_size: int,
     ``pool="max"``: the block's largest logit; ``pool="sum"``: ``log(sum(exp(logits)))`` over the block, so that a
     softmax over blocks gives each block's attention mass. ``-inf`` for blocks with no key at or before the
     query's slot (``q_offset``: as :func:`causal_logits` takes it). :func:`causal_logits` pooled; the targets of PLAS
-    gate distillation (:mod:`hf_sparse.training`)."""
+    gate distillation (:mod:`hf_sparse.tools.gate_objective`)."""
     if pool not in ("max", "sum"):
         raise ValueError(f"pool must be 'max' or 'sum', got {pool!r}")
     scores = causal_logits(query, key, scale, q_offset)

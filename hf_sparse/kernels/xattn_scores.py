@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..selection import RowLayout, row_starts
+from .reference import num_query_tiles, num_row_blocks
 from ._common import check_token_scale, dot_settings, scale_args, softcap_mode, softcap_sink_args
 from .sparse_prefill import _soft_cap
 
@@ -259,8 +260,6 @@ def antidiagonal_block_scores(
     """Triton version of :func:`hf_sparse.kernels.reference.antidiagonal_block_scores` (float32 output); an
     int8 ``key`` with its float32 ``key_scale`` ``[B, Hkv, Skv]`` is dequantised in registers; ``softcap`` caps
     the scaled scores before the softmax; ``pool`` ("mean" or "max") pools each antidiagonal's products."""
-    from .reference import num_query_tiles, num_row_blocks
-
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or query.shape[1] % key.shape[1]:
         raise ValueError(f"need BNSD query [B,Hq,Sq,D] and key [B,Hkv,Skv,D]; got {tuple(query.shape)}, {tuple(key.shape)}")
     quantized = key.dtype == torch.int8

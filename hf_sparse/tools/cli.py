@@ -9,8 +9,19 @@ import time
 from typing import Any, Sequence
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .config import CONFIG_CLASSES
+from ..config import CONFIG_CLASSES
+from ..gate_files import GateFileError, load_gates
+from ..gates import set_gates
+from ..integration import configure
+from ..recording import record_sparsity
+from ..rope_scaling import apply_yarn
+from .default_model import default_model_dir, load_default_model
+from .eval import compare_table, fidelity
+from .gate_training import add_train_gates_command
+from .key_scorer_fit import add_fit_key_scorer_command
+from .long_context import add_train_long_context_command
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,7 +68,6 @@ def config_from_overrides(overrides: Sequence[str], method: str = "plas") -> Any
 
 
 def _model_path(model_name: str) -> str:
-    from .default_model import default_model_dir
 
     return str(default_model_dir()) if model_name == "default" else model_name
 
@@ -80,10 +90,6 @@ def _load(args: argparse.Namespace, max_length: int | None = None):
     """The model on its device. ``--model default``: YaRN with the factor ``max_length`` (prompt and new tokens)
     needs past 8K, or the long-context default with ``--long-context`` (``load_default_model``); any model:
     ``--rope-scaling yarn:FACTOR``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .default_model import load_default_model
-    from .rope_scaling import apply_yarn
 
     factor = _rope_factor(args.rope_scaling)
     if args.long_context and (args.model != "default" or factor is not None):
@@ -110,7 +116,6 @@ def _load(args: argparse.Namespace, max_length: int | None = None):
 
 
 def _load_tokenizer(args: argparse.Namespace):
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_model_path(args.model))
 
@@ -139,7 +144,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from . import configure, record_sparsity
 
     sparse = args.method in CONFIG_CLASSES
     config = config_from_overrides(args.set, args.method) if sparse else None
@@ -168,7 +172,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .eval import compare_table, fidelity
 
     config = config_from_overrides(args.set, args.method)
     tokenizer = _load_tokenizer(args)
@@ -184,8 +187,6 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     if args.method != "plas":
         raise SystemExit("--gates compares PLAS gate files: use --method plas")
-    from . import configure
-    from .gates import GateFileError, load_gates, set_gates
 
     configure(model, config)  # the gate file must match this block size
     try:
@@ -218,9 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--gates", metavar="FILE_OR_FOLDER_OR_REPO",
                           help="PLAS: evaluate with this gate file too and print it beside mean pooling")
     evaluate.set_defaults(run=_eval)
-    from .key_scorer import add_fit_key_scorer_command
-    from .long_context import add_train_long_context_command
-    from .training import add_train_gates_command
 
     add_train_gates_command(commands)
     add_train_long_context_command(commands)

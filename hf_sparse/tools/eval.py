@@ -1,6 +1,7 @@
 """Fidelity of sparse attention against dense attention on one input: next-token KL, top-1, recall, density."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import os
@@ -10,9 +11,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .recording import LayerRecord, record_sparsity
-from .config import CONFIG_KEY, PLASConfig
-from .integration import configure
+from ..config import CONFIG_KEY, PLASConfig
+from ..integration import configure
+from ..recording import LayerRecord, record_sparsity
 
 _QUERY_CHUNK = 512
 
@@ -35,8 +36,6 @@ def stdlib_prose() -> str:
     (``pydoc_data.topics``, sorted by topic) followed by the docstrings (module, class, function) of the
     top-level ``*.py`` files in sorted order. The held-out text of gate training, whose data is code
     (:func:`stdlib_training_files`). It is the running interpreter's: other Python versions give other text."""
-    import ast
-
     root = sysconfig.get_paths()["stdlib"]
     with open(os.path.join(root, "pydoc_data", "topics.py"), encoding="utf-8") as handle:
         tree = ast.parse(handle.read())

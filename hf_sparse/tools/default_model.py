@@ -9,6 +9,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ..rope_scaling import apply_rope_parameters, apply_yarn, trained_length
+from .adapter import SHIPPED_ADAPTER, load_adapter, merge_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,6 @@ def default_model_dir() -> Path:
     Loading the converted copy takes about a second instead of ~20 s of GGUF de-quantisation. The cache lives
     under ``$HF_SPARSE_CACHE`` (default ``~/.cache/hf_sparse``) and is written atomically.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = default_model_gguf()
     target = _cache_root() / "SmolLM2-135M-Instruct"
@@ -89,12 +92,8 @@ def load_default_model(attn_implementation: str = "sdpa", dtype: torch.dtype = t
     (``hf_sparse/data/smollm2_long_context.safetensors``) was trained with, and the adapter merged into the weights
     (in float32, then cast to ``dtype``). A ``max_length`` beyond the length those parameters cover raises the
     factor as above, with a warning (that length was not trained). ``adapter_path``: an adapter file of
-    :mod:`hf_sparse.long_context` to use instead of the shipped one (implies ``long_context``).
+    :mod:`hf_sparse.tools.adapter` file to use instead of the shipped one (implies ``long_context``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .long_context import SHIPPED_ADAPTER, load_adapter, merge_adapter
-    from .rope_scaling import apply_rope_parameters, apply_yarn, trained_length
 
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")

@@ -31,7 +31,7 @@ import pytest
 import transformers
 from transformers import PreTrainedModel
 
-from .config import CONFIG_KEY, PLASConfig, XAttnConfig, stored_config
+from ..config import CONFIG_KEY, PLASConfig, XAttnConfig, stored_config
 
 #: The implementation requests resolved to the method (None: the test asked for none).
 RESOLVED = (None, "sdpa")

@@ -11,7 +11,6 @@ holds one layer's attention at a time. Only the gates get gradients.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import logging
@@ -20,33 +19,43 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .gates import (GATE_FILENAME, attention_modules, gate_spec, model_plas_config, save_safetensors_atomic, set_gates,
-                    write_gate_file)
-from .integration import attention_probe
-from .kernels import backend_for, pooled_block_logits
-from .kernels.reference import block_availability, block_summaries
+from ..gate_files import GATE_FILENAME, save_safetensors_atomic, write_gate_file
+from ..gates import gate_spec, model_plas_config, set_gates
+from .default_model import default_model_dir, load_default_model
+from .eval import held_out_sequences, stdlib_training_files
+from .gate_eval import evaluate_gates
+from .gate_objective import (
+    _attention_scale,
+    _refuse_tensor_parallel,
+    gate_distillation_loss,
+)
+from .probe import probe_layers
+from .text_data import pack_sequences, read_text_files, token_stream
 
 logger = logging.getLogger(__name__)
 
-#: Most bytes of one float32 ``[B, Hq, queries, blocks]`` tensor of the loss on the Triton path (it sets the queries
-#: per chunk there; a few such tensors and their gradients are live at once).
-TARGET_CHUNK_BYTES = 256 * 1024 * 1024
+
+
 
 #: File (in the output folder) holding the resumable training state.
 CHECKPOINT_FILENAME = "gate_training_checkpoint.safetensors"
-_TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+
+
 #: The clock of :func:`train_gates`'s time budget and log (a test replaces it).
 _now = time.monotonic
+
+
 #: What :func:`gate_distillation_loss` minimises (see :class:`GateTrainingConfig`).
 OBJECTIVES = ("kl", "ranking")
-#: Stands for "not choosable" in the ranking objective's logits: finite, so no gradient turns NaN.
-_EXCLUDED_LOGIT = -1e4
 
 
 @dataclass
@@ -66,7 +75,7 @@ class GateTrainingConfig:
             pass stops after the last of them.
         query_chunk: queries whose dense logits the PyTorch path materialises at once (bounds its memory); the
             Triton path writes no logits and takes as many queries at once as keep its per-block tensors under
-            :data:`TARGET_CHUNK_BYTES`.
+            :data:`hf_sparse.tools.gate_objective.TARGET_CHUNK_BYTES`.
         target: how the dense attention probabilities are pooled over a key block for the target: ``"max"`` (the
             block's strongest key; FastDeploy's PLAS) or ``"sum"`` (the block's attention mass: what a selection
             recalls).
@@ -131,50 +140,6 @@ class GateTrainingResult:
     stopped: str = "done"  # or "deadline": checkpointed before the last step, nothing attached; run again to resume
 
 
-# -- data -----------------------------------------------------------------------------------------------------
-def read_text_files(patterns: Sequence[str]) -> list[str]:
-    """Contents of the files named by ``patterns`` (paths, globs with ``**``, or folders: their .txt/.md/.rst/.py
-    files), in sorted path order, each file once."""
-    paths: list[str] = []
-    for pattern in patterns:
-        if os.path.isdir(pattern):
-            matches = [p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
-                       if p.endswith(_TEXT_SUFFIXES) and os.path.isfile(p)]
-        else:
-            matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
-        if not matches:
-            raise FileNotFoundError(f"no files match {pattern!r}")
-        paths.extend(sorted(matches))
-    texts, seen = [], set()
-    for path in paths:
-        if path in seen:
-            continue
-        seen.add(path)
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            texts.append(handle.read())
-    return texts
-
-
-def token_stream(texts: Iterable[str], tokenizer: Any, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids of ``texts`` joined by the tokenizer's EOS token (1-D int64), stopping after ``max_tokens``."""
-    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False).input_ids)
-        ids.extend(separator)
-        if max_tokens is not None and len(ids) >= max_tokens:
-            break
-    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)
-
-
-def pack_sequences(tokens: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """Cut a 1-D token stream into ``[num_sequences, seq_length]`` (the incomplete tail is dropped)."""
-    count = tokens.numel() // seq_length
-    if count == 0:
-        raise ValueError(f"{tokens.numel()} tokens are fewer than one sequence of {seq_length}")
-    return tokens[: count * seq_length].view(count, seq_length).clone()
-
-
 def _as_sequences(dataset: Any, tokenizer: Any, config: GateTrainingConfig) -> torch.Tensor:
     if isinstance(dataset, torch.Tensor):
         if dataset.dim() == 2 and dataset.shape[1] == config.seq_length:
@@ -198,139 +163,6 @@ def _data_order(num_sequences: int, steps: int, batch_size: int, seed: int) -> t
         parts.append(torch.randperm(num_sequences, generator=generator))
         total += num_sequences
     return torch.cat(parts)[:needed].view(steps, batch_size)
-
-
-# -- the distillation objective -------------------------------------------------------------------------------
-def _pooled(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int, num_blocks: int,
-            pool: str) -> torch.Tensor:
-    """:func:`hf_sparse.kernels.pooled_block_logits` of queries ``q0..`` over ``key[:, :, :q1]``, padded with
-    ``-inf`` to ``num_blocks`` blocks (those past the chunk's keys are never visible)."""
-    pooled = pooled_block_logits(query, key, block_size, scale, q0, pool)
-    missing = num_blocks - pooled.shape[-1]
-    return torch.nn.functional.pad(pooled, (0, missing), value=float("-inf")) if missing else pooled
-
-
-def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
-                         choosable: torch.Tensor, pool: str = "max") -> torch.Tensor:
-    """The dense attention probabilities max-pooled (or summed) over each block and renormalised over the
-    ``choosable`` blocks (``[B, Hq, c, nb]``; rows with no choosable block are 0).
-
-    A block's largest probability is ``exp(max logit - lse)``, its mass ``exp(logsumexp of its logits - lse)``;
-    the row's ``lse`` cancels in the renormalisation, so the target is the softmax over the choosable blocks of
-    the pooled logits (:func:`hf_sparse.kernels.pooled_block_logits`: on the GPU no logit matrix is written)."""
-    peak = _pooled(query, key, q0, scale, block_size, choosable.shape[-1], pool)
-    return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
-
-
-def _prediction_logits(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float,
-                       excluded: float) -> torch.Tensor:
-    """``q . Kc_j * scale`` over the available blocks (``excluded`` elsewhere)."""
-    group = query.shape[1] // summaries.shape[1]
-    logits = torch.matmul(query.float(), summaries.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-    return logits.masked_fill(~available[:, None], excluded)
-
-
-def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
-    """``log_softmax_j(q . Kc_j * scale)`` over the available blocks (``-inf`` elsewhere)."""
-    return torch.log_softmax(_prediction_logits(query, summaries, available, scale, float("-inf")), dim=-1)
-
-
-def _ranking_terms(target: torch.Tensor, logits: torch.Tensor, choosable: torch.Tensor,
-                   top_k: int) -> torch.Tensor:
-    """Per query ``[B, Hq, c]``: ``sum_r (logsumexp of the logits of the blocks not yet placed - logit of the
-    target's r-th best)`` over the target's first ``min(top_k, choosable)`` blocks (Plackett-Luce)."""
-    k = min(top_k, target.shape[-1])
-    order = target.topk(k, dim=-1).indices  # the target's best blocks, best first
-    placed = logits.gather(-1, order)
-    rest = torch.logsumexp(logits.scatter(-1, order, _EXCLUDED_LOGIT), dim=-1, keepdim=True)
-    remaining = torch.cat([placed, rest], -1).flip(-1).logcumsumexp(-1).flip(-1)[..., :k]
-    valid = torch.arange(k, device=target.device) < choosable.sum(-1)[:, None, :, None]
-    return ((remaining - placed) * valid).sum(-1)
-
-
-def choosable_blocks(num_queries: int, num_blocks: int, q0: int, block_size: int, length: int, batch: int,
-                     device: torch.device, sink_blocks: int | None) -> torch.Tensor:
-    """Boolean ``[B, c, nb]``: causal blocks of queries ``q0..q0+c-1`` (unpadded rows), without the blocks PLAS
-    always attends (the first ``sink_blocks`` and the query's own) unless ``sink_blocks`` is ``None``."""
-    kv_start = torch.zeros(batch, dtype=torch.long, device=device)
-    available = block_availability(num_queries, num_blocks, q0, kv_start, block_size, length)
-    if sink_blocks is None:
-        return available
-    block_ids = torch.arange(num_blocks, device=device)
-    own = torch.arange(q0, q0 + num_queries, device=device) // block_size
-    forced = (block_ids[None, :] == own[:, None]) | (block_ids[None, :] < sink_blocks)
-    return available & ~forced[None]
-
-
-def gate_distillation_loss(
-    query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
-    query_chunk: int = 1024, sink_blocks: int | None = 1, pool: str = "max", objective: str = "kl",
-    ranking_top_k: int = 8,
-) -> torch.Tensor:
-    """Mean of ``KL(target || prediction)`` (or, with ``objective="ranking"``, of the Plackett-Luce loss of the
-    target's ``ranking_top_k`` best blocks) over heads and the queries that have at least two blocks to rank.
-
-    ``query`` ``[B, Hq, S, D]`` and ``key`` ``[B, Hkv, S, D]`` are one unpadded causal sequence per row; ``gate``
-    ``[Hkv, block_size, D]`` (``None`` = mean pooling). Both distributions run over the query's causal blocks
-    minus the ones PLAS always attends (first ``sink_blocks`` and the query's own block); ``sink_blocks=None``
-    keeps every causal block; ``pool`` is how the target pools the dense probabilities over a block ("max" or "sum").
-    Differentiable in ``gate``; the target is not.
-    """
-    batch, q_heads, length, _ = query.shape
-    kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
-    summaries = block_summaries(key, gate, kv_start, block_size)
-    num_blocks = summaries.shape[2]
-    total = query.new_zeros((), dtype=torch.float32)
-    count = query.new_zeros((), dtype=torch.float32)
-    # The Triton target writes [c, blocks] per head (chunks bounded by TARGET_CHUNK_BYTES: at 8K one holds every
-    # query); the PyTorch one materialises the [c, S] logits and goes query_chunk queries at a time. No host reads:
-    # rows with fewer than two blocks to rank are weighted 0.
-    if backend_for(query) == "triton":
-        chunk = max(block_size, TARGET_CHUNK_BYTES // (4 * batch * q_heads * num_blocks))
-    else:
-        chunk = query_chunk
-    for q0 in range(min(block_size, length), length, chunk):
-        q1 = min(length, q0 + chunk)
-        choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
-        ranked = choosable.sum(-1) >= 2  # [B, c]: queries with something to rank
-        with torch.no_grad():
-            target = _distillation_target(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, choosable, pool)
-        if objective == "ranking":
-            logits = _prediction_logits(query[:, :, q0:q1], summaries, choosable, scale, _EXCLUDED_LOGIT)
-            terms = _ranking_terms(target, logits, choosable, ranking_top_k)
-        else:
-            log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
-            terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred),
-                                torch.zeros_like(target)).sum(-1)
-        total = total + (terms * ranked[:, None]).sum()
-        count = count + ranked.sum() * q_heads
-    return total / count.clamp_min(1)
-
-
-class _StopForward(Exception):
-    """Raised from the probe after the last layer of interest: the rest of the model is not needed."""
-
-
-def probe_layers(model: Any, input_ids: torch.Tensor, layers: Sequence[int],
-                 callback: Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None]) -> None:
-    """Run ``model`` on ``input_ids`` (dense attention, no grad) and call ``callback(layer, module, query, key)``
-    for each layer in ``layers``; the forward stops after the last of them."""
-    wanted = set(layers)
-    last = max(wanted)
-
-    def on_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Any) -> None:
-        layer_idx = module.layer_idx
-        if layer_idx in wanted:
-            callback(layer_idx, module, query.detach(), key.detach())
-        if layer_idx == last:
-            raise _StopForward
-
-    with torch.no_grad(), attention_probe(model, on_attention):
-        try:
-            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-        except _StopForward:
-            pass
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -365,7 +197,6 @@ def _save_checkpoint(path: Path, step: int, gates: Mapping[int, torch.nn.Paramet
 
 def _load_checkpoint(path: Path, gates: Mapping[int, torch.nn.Parameter], optimizer: torch.optim.Adam,
                      fingerprint: Mapping[str, Any]) -> tuple[int, list[float]]:
-    from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         metadata = handle.metadata() or {}
@@ -430,19 +261,6 @@ def _learning_rate(step: int, steps: int, config: GateTrainingConfig) -> float:
     return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
-# -- training -------------------------------------------------------------------------------------------------
-
-def _refuse_tensor_parallel(model: Any, what: str) -> None:
-    """Gate training and evaluation read every KV head of each layer; a model split by tensor parallelism holds
-    some of them per rank."""
-    from .distributed import tensor_parallel_rank_and_size
-
-    size = tensor_parallel_rank_and_size(model)[1]
-    if size > 1:
-        raise ValueError(f"{what} needs the whole model on one device; this one is split by tensor parallelism "
-                         f"(tp_size {size}): train or evaluate gates on a model loaded without tp_plan / "
-                         "distributed_config, then load the gate file on the split one")
-
 def train_gates(
     model: Any,
     dataset: Any,
@@ -463,7 +281,7 @@ def train_gates(
     ``dataset``: token ids (a ``[N, seq_length]`` or 1-D tensor), sequences of ids, or strings (with
     ``tokenizer``); it is packed into ``config.seq_length`` sequences. The model's weights are not changed
     (parameters are frozen for the run and restored after). With ``output_dir`` the gate file
-    (:data:`~hf_sparse.gates.GATE_FILENAME`) is written there, a checkpoint every ``config.checkpoint_every``
+    (:data:`~hf_sparse.gate_files.GATE_FILENAME`) is written there, a checkpoint every ``config.checkpoint_every``
     steps and on SIGINT/SIGTERM (the run then raises ``KeyboardInterrupt``); calling again with the same
     arguments resumes and ends with the same gates as an uninterrupted run. ``on_step(step, loss)`` is called
     after every step.
@@ -524,8 +342,6 @@ def train_gates(
                                           sink_blocks, config.target, config.objective, config.ranking_top_k)
             loss.backward()
         layer_losses[layer] = loss.detach()  # read once per step, not per layer
-
-    from tqdm.auto import tqdm
 
     tokens_per_step = config.batch_size * config.seq_length
     log = open(log_path, "a" if start else "w", encoding="utf-8") if log_path is not None else None
@@ -601,125 +417,6 @@ def train_gates(
     return GateTrainingResult(trained, losses, steps, steps * config.batch_size * config.seq_length, start, path)
 
 
-def _attention_scale(model: Any, head_dim: int) -> float:
-    module = next(iter(attention_modules(model).values()))
-    scaling = getattr(module, "scaling", None)
-    return float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
-
-
-# -- evaluation -----------------------------------------------------------------------------------------------
-@dataclass
-class GateMetrics:
-    """Agreement of block scores with dense attention for one set of gates (means over layers, heads and queries).
-
-    Over the blocks the gate ranks (causal blocks minus the first block and the query's own, which PLAS always
-    attends; queries with at least two such blocks): ``kl`` = KL(max-pooled dense block distribution ||
-    predicted distribution), ``top1`` = the predicted best block is the target's best block. ``kl_all`` and
-    ``top1_all``: the same over every causal block. ``recall``: dense attention mass inside the selected blocks,
-    where each query selects ``ceil(density * causal blocks)`` blocks, the forced ones first and then the best
-    scored (so both gate sets run at equal density); ``oracle_recall``: the same count chosen by true block mass.
-    ``density``: the fraction of causal blocks selected.
-    """
-
-    kl: float
-    top1: float
-    kl_all: float
-    top1_all: float
-    recall: float
-    oracle_recall: float
-    density: float
-    per_layer: dict[int, dict[str, float]] = field(default_factory=dict)
-
-
-def _select(scores: torch.Tensor, available: torch.Tensor, keep: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
-    """Boolean selection of ``keep`` blocks per query: forced ones first, then by descending score."""
-    ranked = scores.masked_fill(~available, float("-inf")).masked_fill(forced & available, float("inf"))
-    order = ranked.argsort(dim=-1, descending=True, stable=True)
-    rank = order.argsort(dim=-1)
-    return (rank < keep[..., None]) & available
-
-
-@torch.no_grad()
-def evaluate_gates(
-    model: Any,
-    input_ids: torch.Tensor,
-    gates: Mapping[int, torch.Tensor] | None,
-    *,
-    density: float = 0.25,
-    layers: Sequence[int] | None = None,
-    block_size: int | None = None,
-    query_chunk: int = 512,
-) -> GateMetrics:
-    """:class:`GateMetrics` of ``gates`` (layer -> weight; ``None`` or a missing layer = mean pooling, exactly
-    as inference) on ``input_ids`` ``[B, S]`` (unpadded), over ``layers`` (default: the model's gated layers)."""
-    _refuse_tensor_parallel(model, "evaluate_gates")
-    spec = gate_spec(model, block_size)
-    sink_blocks = model_plas_config(model).sink_blocks
-    layers = list(layers if layers is not None else spec.gated_layers)
-    scale = _attention_scale(model, spec.head_dim)
-    per_layer: dict[int, dict[str, float]] = {}
-
-    def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
-        gate = None if gates is None else gates.get(layer)
-        per_layer[layer] = layer_metrics(query, key, gate, spec.block_size, scale, density, sink_blocks, query_chunk)
-
-    probe_layers(model, input_ids, layers, on_layer)
-    names = ("kl", "top1", "kl_all", "top1_all", "recall", "oracle_recall", "density")
-    means = {name: sum(m[name] for m in per_layer.values()) / len(per_layer) for name in names}
-    return GateMetrics(**means, per_layer=per_layer)
-
-
-def _kl_top1(target: torch.Tensor, log_pred: torch.Tensor, rows: torch.Tensor) -> tuple[float, float, int]:
-    target = target / target.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target)).sum(-1)
-    agree = (target.argmax(-1) == log_pred.argmax(-1)).float()
-    rows = rows[:, None].expand_as(kl)
-    return float((kl * rows).sum()), float((agree * rows).sum()), int(rows.sum())
-
-
-@torch.no_grad()
-def layer_metrics(query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | None, block_size: int, scale: float,
-                  density: float, sink_blocks: int = 1, query_chunk: int = 512) -> dict[str, float]:
-    """One layer's :class:`GateMetrics` fields from its post-RoPE ``query``/``key`` (unpadded rows)."""
-    batch, q_heads, length, _ = query.shape
-    kv_start = torch.zeros(batch, dtype=torch.long, device=query.device)
-    summaries = block_summaries(key, None if gate is None else gate.to(key.device), kv_start, block_size)
-    num_blocks = summaries.shape[2]
-    sums = dict(kl=0.0, top1=0.0, kl_all=0.0, top1_all=0.0, recall=0.0, oracle_recall=0.0, density=0.0)
-    ranked_count = all_count = 0
-    for q0 in range(min(block_size, length), length, query_chunk):
-        q1 = min(length, q0 + query_chunk)
-        # Each block's largest attention probability and its mass: pooled logits less the row's normaliser.
-        log_mass = _pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "sum")
-        lse = torch.logsumexp(log_mass, -1, keepdim=True)
-        mass = (log_mass - lse).exp()
-        peak = (_pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "max") - lse).exp()
-        available = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, None)
-        choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
-        log_all = _log_predictions(query[:, :, q0:q1], summaries, available, scale)
-        log_ranked = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
-        kl, top1, rows = _kl_top1(peak * choosable[:, None], log_ranked, choosable.sum(-1) >= 2)
-        sums["kl"] += kl
-        sums["top1"] += top1
-        ranked_count += rows
-        kl, top1, rows = _kl_top1(peak, log_all, torch.ones_like(available[..., 0]))
-        sums["kl_all"] += kl
-        sums["top1_all"] += top1
-        all_count += rows
-        n_available = available.sum(-1)[:, None]  # [B, 1, c]
-        keep = torch.ceil(density * n_available).long().clamp_min(1)
-        forced = (available & ~choosable)[:, None]
-        chosen = _select(log_all, available[:, None], keep, forced)
-        best = _select(mass, available[:, None], keep, forced)
-        sums["recall"] += float((mass * chosen).sum())
-        sums["oracle_recall"] += float((mass * best).sum())
-        sums["density"] += float((chosen.sum(-1) / n_available).sum())
-    metrics = {}
-    for name, value in sums.items():
-        metrics[name] = value / max(ranked_count if name in ("kl", "top1") else all_count, 1)
-    return metrics
-
-
 # -- command line ---------------------------------------------------------------------------------------------
 def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train-gates`` to the ``hf-sparse`` command's subparsers."""
@@ -731,10 +428,10 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="default", help="local folder or Hub id; 'default' = embedded SmolLM2-135M")
     parser.add_argument("--long-context", nargs="?", const=True, default=None, metavar="ADAPTER",
                         help="with --model default: the long-context default model (YaRN and the shipped adapter, or "
-                             "this adapter file; hf_sparse.default_model.load_default_model(long_context=True))")
+                             "this adapter file; hf_sparse.tools.default_model.load_default_model(long_context=True))")
     parser.add_argument("--data", nargs="+", required=True,
                         help="text files, globs (** allowed) or folders; 'stdlib' = the standard library's package "
-                             "sources (hf_sparse.eval.stdlib_training_files)")
+                             "sources (hf_sparse.tools.eval.stdlib_training_files)")
     parser.add_argument("--tokens", type=int, required=True, help="training tokens")
     parser.add_argument("--out", required=True, help="output folder (gate file and checkpoint)")
     parser.add_argument("--seq-length", type=int, default=4096)
@@ -766,7 +463,7 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=0,
                         help="held-out evaluation every N steps (and before the first and after the last): KL, top-1 "
                              "and recall of the gates against dense attention on held-out prose "
-                             "(hf_sparse.eval.held_out_sequences; 0 = none)")
+                             "(hf_sparse.tools.eval.held_out_sequences; 0 = none)")
     parser.add_argument("--eval-sequences", type=int, default=1, help="held-out sequences per evaluation")
     parser.add_argument("--eval-length", type=int, default=None, help="their tokens (default: --seq-length)")
     parser.add_argument("--eval-density", type=float, default=0.25, help="selection density of the recall metric")
@@ -778,7 +475,6 @@ def add_train_gates_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _run_train_gates(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -786,7 +482,6 @@ def _run_train_gates(args: argparse.Namespace) -> int:
     if args.long_context is not None and args.model != "default":
         raise SystemExit("--long-context needs --model default (other models: load them with rope scaling yourself)")
     if args.long_context is not None:
-        from .default_model import load_default_model
 
         adapter = None if args.long_context is True else args.long_context
         model, tokenizer = load_default_model(dtype=dtype, device=device, long_context=True, adapter_path=adapter,
@@ -794,7 +489,6 @@ def _run_train_gates(args: argparse.Namespace) -> int:
         model.eval()
     else:
         if args.model == "default":
-            from .default_model import default_model_dir
 
             path = str(default_model_dir())
         else:
@@ -807,13 +501,11 @@ def _run_train_gates(args: argparse.Namespace) -> int:
                                 layers=layers, query_chunk=args.query_chunk, checkpoint_every=args.checkpoint_every,
                                 target=args.target, objective=args.objective, ranking_top_k=args.ranking_top_k,
                                 skip_forced_blocks=not args.include_forced, seed=args.seed)
-    from .eval import stdlib_training_files
 
     patterns = [path for item in args.data for path in (stdlib_training_files() if item == "stdlib" else [item])]
     texts = read_text_files(patterns)
     evaluate = None
     if args.eval_every:
-        from .eval import held_out_sequences
 
         held_out = held_out_sequences(tokenizer, args.eval_length or args.seq_length, args.eval_sequences).to(device)
 
@@ -839,4 +531,3 @@ def _run_train_gates(args: argparse.Namespace) -> int:
         rate = (len(times) - 1) * config.batch_size * config.seq_length / (times[-1] - times[0])
         print(f"this run: {len(times)} steps, {rate:,.0f} training tokens/s ({rate * 60 / 1e6:.2f}M per minute)")
     return 0
-
