@@ -311,9 +311,10 @@ def test_sharded_context_refuses_a_tensor_parallel_model(monkeypatch):
 
 
 def test_tensor_parallel_kwargs_follow_the_installed_transformers(monkeypatch):
-    """tp_plan= up to transformers 5.17, distributed_config= from 5.18 (tests/test_multi_gpu.py loads through it)."""
-    import transformers
-
+    """tp_plan= up to transformers 5.17, distributed_config= from 5.18 (tests/test_multi_gpu.py loads through it).
+    The version is patched on the module hf_sparse.distributed imported: a test run can leave another object in
+    sys.modules["transformers"] (the module's lazy loader is rebuilt), whose attributes distributed never reads."""
+    transformers = distributed.transformers
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     assert distributed.tensor_parallel_kwargs() == {"tp_plan": "auto"}
     if hasattr(transformers, "DistributedConfig"):
