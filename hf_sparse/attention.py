@@ -42,6 +42,9 @@ def sparse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     sees the cap where it thresholds a softmax mass (XAttention; see the methods)."""
     if torch.compiler.is_compiling():  # a compiled model's forward: this call runs eagerly (a graph break)
         return _eager_forward(module, query, key, value, attention_mask, dropout, scaling, method=method, **kwargs)
+    requests = plan.packed_requests(attention_mask, kwargs)
+    if requests is not None:  # continuous batching: each request as if alone
+        return run_packed(module, query, key, value, requests, dropout, scaling, method, kwargs)
     layer = cache_layer_of(key, kwargs)
     unmasked = plan.forward_dense(module, query, key.shape[2], attention_mask, kwargs)
     if unmasked is not None:  # a later layer of a forward that runs dense in every layer
@@ -60,6 +63,29 @@ def sparse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return all_blocks_decode(query, layer, scale, logn_base_for(call.config, module.config),
                                  softcap_and_sinks(kwargs, query)), None
     return run_sparse(call, decided, value, scaling)
+
+
+def run_packed(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               requests: list[plan.PackedRequest], dropout: float, scaling: float | None, method: str,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """A packed batch (rule ``packed``) request by request: each request's queries over its own keys through
+    :func:`sparse_attention_forward`, as a ``generate()`` of that request alone calls it (its queries the last of
+    its keys: a prefill, a prefill chunk or a decode step; no mask, no cache layer), so a short request runs dense
+    and a long one sparse by the same rules. Returns ``[1, total_q, Hq, Dv]``; rows of no request stay zero."""
+    if query.shape[0] != 1:
+        raise ValueError(f"packed requests need a batch of one row, got {query.shape[0]}")
+    alone = {name: item for name, item in kwargs.items() if name not in plan.PACKED_KWARGS}
+    positions = kwargs.get("position_ids")
+    output = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+    for request in requests:
+        if isinstance(positions, torch.Tensor):
+            alone["position_ids"] = positions[:, request.queries]
+        part, _ = sparse_attention_forward(module, query[:, :, request.queries].contiguous(),
+                                           key[:, :, request.keys].contiguous(),
+                                           value[:, :, request.keys].contiguous(), None, dropout, scaling,
+                                           method=method, **alone)
+        output[:, request.queries] = part
+    return output, None
 
 
 def forward_dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

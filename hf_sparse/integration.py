@@ -1,4 +1,5 @@
-"""Every touch of transformers internals: registration, mask function, generate() cache hook, probes.
+"""Every touch of transformers internals: registration, mask function, generate() cache hook, continuous
+batching's name check, probes.
 
 All patches are idempotent and reversible (:func:`unpatch`).
 """
@@ -8,6 +9,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import inspect
 import logging
 from typing import Any, Callable, Iterator
 
@@ -25,6 +27,12 @@ from .config import CONFIG_CLASSES, CONFIG_KEY, PLASConfig
 from .gate_files import autoload_gates, save_gates_alongside
 from .star_attention import star_attention_forward
 
+try:  # continuous batching (transformers' generate_batch, init_continuous_batching, `transformers serve`)
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+except ImportError:  # a release without it
+    ContinuousBatchingManager = PagedAttentionCache = None
+
 logger = logging.getLogger(__name__)
 
 #: Attention function of each implementation this package provides.
@@ -37,6 +45,17 @@ METHODS = tuple(ATTENTION_FUNCTIONS)
 #: The implementations whose configs have ``trim_last_layer``.
 TRIMMED = ("plas", "xattn")
 _PROBE_NAME = "hf_sparse_probe"
+
+#: The implementations continuous batching runs (each packed request through the plan alone: rule `packed`). Star
+#: is refused: its context / query split is a property of one prompt, which a packed batch of prefill chunks and
+#: decode tokens does not have.
+PACKED_METHODS = ("plas", "xattn")
+#: Whether continuous batching hands the attention function the new K/V and its PagedAttentionCache to update
+#: (transformers 5.17: ``cache`` / ``read_index`` / ``write_index`` kwargs, under the name ``paged|<impl>``) rather
+#: than updating the cache in the attention module and passing every request's K/V gathered (5.25).
+_CB_UPDATES_IN_FUNCTION = (PagedAttentionCache is not None and hasattr(PagedAttentionCache, "update")
+                           and "read_index" in inspect.signature(PagedAttentionCache.update).parameters)
+_PAGED = "paged|"
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -264,13 +283,59 @@ def _save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> An
     return result
 
 
+def _cb_friendly_attn(self, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
+    """``ContinuousBatchingManager.switch_to_cb_friendly_attn`` that keeps "plas" and "xattn" (transformers' own
+    refuses every name but eager, sdpa and flash ones, 5.25, or swaps in flash attention where it is installed) and
+    refuses "star" with the reason; other implementations go to transformers' own. On 5.17 our implementations run
+    under ``paged|<name>`` (:func:`_paged_forward`), restored by the manager's ``stop()``."""
+    implementation = model.config._attn_implementation
+    name = implementation.removeprefix(_PAGED)
+    if name == "star":
+        raise NotImplementedError(
+            "hf_sparse: attn_implementation='star' does not run under continuous batching: Star's split of one "
+            "prompt into context and query has no meaning in a packed batch of prefill chunks and decode tokens. "
+            "Use 'plas' or 'xattn', or generate() for Star.")
+    if name not in PACKED_METHODS:
+        return _ORIGINAL["cb_attn"](self, model, *args, **kwargs)
+    if _CB_UPDATES_IN_FUNCTION and implementation == name:
+        model.set_attn_implementation(_PAGED + name)
+        self._original_attn_impl = name
+    return None
+
+
+def _paged_forward(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The attention function registered as ``paged|<name>`` for transformers releases whose continuous batching
+    leaves the cache update to the function (5.17): write the new K/V into the PagedAttentionCache, read every
+    request's K/V back (``[total_k, Hkv, D]``, as transformers' ``paged|sdpa`` does), then ``function`` on them."""
+
+    def forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            raise ValueError(f"{module.config._attn_implementation} was called without continuous batching's paged "
+                             "cache; load the model with the name without 'paged|'")
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+        key, value = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
+        return function(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return forward
+
+
 def patch() -> None:
     """Register our attention/mask functions and install the generate() (cache, CUDA-graph wrapper),
-    from_pretrained() and save_pretrained() hooks (idempotent)."""
+    from_pretrained() and save_pretrained() hooks and continuous batching's name check (idempotent)."""
     for name, function in ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(name, function)
     for name in METHODS + (_PROBE_NAME,):
         AttentionMaskInterface.register(name, padding_mask)
+    if _CB_UPDATES_IN_FUNCTION:
+        for name in PACKED_METHODS:
+            AttentionInterface.register(_PAGED + name, _paged_forward(ATTENTION_FUNCTIONS[name]))
+    if (ContinuousBatchingManager is not None and hasattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn")
+            and "cb_attn" not in _ORIGINAL):
+        _ORIGINAL["cb_attn"] = ContinuousBatchingManager.switch_to_cb_friendly_attn
+        ContinuousBatchingManager.switch_to_cb_friendly_attn = _cb_friendly_attn
     if "prepare_cache" not in _ORIGINAL:
         _ORIGINAL["prepare_cache"] = GenerationMixin._prepare_cache_for_generation
         GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
@@ -295,6 +360,8 @@ def unpatch() -> None:
         PreTrainedModel.from_pretrained = classmethod(_ORIGINAL.pop("from_pretrained"))
     if "save_pretrained" in _ORIGINAL:
         PreTrainedModel.save_pretrained = _ORIGINAL.pop("save_pretrained")
+    if "cb_attn" in _ORIGINAL:
+        ContinuousBatchingManager.switch_to_cb_friendly_attn = _ORIGINAL.pop("cb_attn")
 
 
 def _check_model(model: PreTrainedModel) -> None:

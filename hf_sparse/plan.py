@@ -20,6 +20,10 @@ alone: where the longest row is sparse but some rows would run dense alone (shor
 at or above the density threshold), the sparse call gives those rows every causal block (``Plan.full_rows``), which
 is dense attention up to rounding.
 
+**Packed requests.** transformers' continuous batching packs its requests along the sequence of one row (prefills,
+prefill chunks and decode tokens together, ``cu_seq_lens_q`` / ``cu_seq_lens_k``, no mask): rule ``packed`` splits
+the call into its requests (:func:`packed_requests`), and each runs these rules as a call of that request alone.
+
 **Forwards.** A prompt that runs dense in its first layer for a reason that holds for every layer (``length``,
 ``floor``: shapes and configuration alone) runs dense in all of them: the first layer remembers the decision
 (:func:`remember_forward`) and the later layers of the same forward look it up (:func:`forward_dense`) in a few
@@ -53,6 +57,8 @@ DENSE, ALL_BLOCKS, SPARSE = "dense", "all_blocks", "sparse"
 #: The rules of :func:`plan_call`, in the order they apply, with what each decides. Each has a test that names it
 #: (tests/test_plan.py).
 RULES = (
+    ("packed", "requests packed along the sequence by transformers' continuous batching (cu_seq_lens_q / "
+               "cu_seq_lens_k, no mask): each request runs these rules alone, over its own keys"),
     ("forward", "a later layer of a forward whose first layer ran dense by `length` or `floor`: DENSE"),
     ("inputs", "an input the method cannot take: a clear error (dtype, features it does not compute, non-causal "
                "attention); output_attentions=True is warned about once and returns no weights, as sdpa"),
@@ -111,6 +117,47 @@ def check_inputs(kwargs: dict[str, Any], query: torch.Tensor, computed: tuple[st
             others = "; attn_implementation='plas' and 'xattn' compute it" if name in SPARSE_FEATURES else ""
             raise NotImplementedError(f"{implementation} attention does not support `{name}` ({feature}), which this "
                                       f"model passes{others}")
+
+
+# -- packed requests (continuous batching) -------------------------------------------------------------------------
+#: Keyword arguments of transformers' continuous batching that describe the packed batch as a whole: a request run
+#: alone (:func:`packed_requests`) gets none of them (``position_ids``: its own slice).
+PACKED_KWARGS = frozenset(("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "max_seqlen_q",
+                           "max_seqlen_k", "read_index", "write_index", "block_table", "cache", "logits_indices",
+                           "logits_processor_args", "is_causal", "use_cache"))
+
+
+@dataclass(frozen=True)
+class PackedRequest:
+    """One request of a packed batch: its queries' and its keys' positions along the packed sequence. Its queries
+    are the last of its keys (a prefill chunk or a decode token after the request's earlier tokens)."""
+
+    queries: slice
+    keys: slice
+
+
+def packed_requests(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> list[PackedRequest] | None:
+    """The ``packed`` rule: the requests of a call that packs them along the sequence (transformers' continuous
+    batching: query ``[1, H, total_q, D]``, keys ``[1, Hkv, total_k, D]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    cumulative lengths, no mask), those with queries; None for any other call. A call with a mask is not split: the
+    mask already keeps the sequences apart (packed training sequences with a 4D mask: rule ``mask``)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or attention_mask is not None:
+        return None
+    if isinstance(cu_k, dict):
+        raise NotImplementedError("hf_sparse attention under continuous batching: models with several layer types "
+                                  f"(per-type key lengths {sorted(cu_k)}) are not supported yet")
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    if len(starts_q) != len(starts_k):
+        raise ValueError(f"cu_seq_lens_q ({len(starts_q)}) and cu_seq_lens_k ({len(starts_k)}) count different "
+                         "requests")
+    requests = []
+    for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
+        if q1 - q0 > k1 - k0:
+            raise ValueError(f"a packed request has {q1 - q0} queries but only {k1 - k0} keys")
+        if q1 > q0:
+            requests.append(PackedRequest(slice(q0, q1), slice(k0, k1)))
+    return requests
 
 
 # -- the rows a caller reads --------------------------------------------------------------------------------------
