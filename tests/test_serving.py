@@ -319,12 +319,13 @@ def test_prompt_longer_than_the_cache_fails_that_request(models, method):
     assert list(failed.generated_tokens) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(
     "transformers 5.25: a prompt the cache cannot hold raises RuntimeError('" + NO_ROOM + "') in the generation "
     "loop once nothing else is left to schedule; the error is fatal: the request is FAILED with that message, the "
     "loop's thread ends, and every later add_request is dropped (returns None, logs 'The background thread died "
     "with a fatal error.'), so requests added after the failure are lost. hf_sparse does not patch transformers' "
-    "scheduler; a check would need the cache's size, known only once the loop has built it."))
+    "scheduler; a check would need the cache's size, known only once the loop has built it. Not strict: a "
+    "release that keeps serving passes it)."))
 def test_manager_keeps_serving_after_a_prompt_longer_than_the_cache(models):
     model = models["plas"]
     expected = alone(model, [PROMPTS[1]], 3)[0]
