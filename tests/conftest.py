@@ -6,7 +6,8 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
 import hf_sparse  # noqa: F401  (registers "plas")
 
@@ -50,6 +51,26 @@ ARCHS = {
     "qwen2": Qwen2Config,
     "mistral": MistralConfig,
 }
+
+
+#: A chat template of the plainest kind, for tokenizers trained in tests.
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def trained_tokenizer(texts: list[str], vocab_size: int, chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids trained on ``texts`` (no download), with ``<s>`` / ``</s>``
+    and, unless ``chat_template=False``, :data:`CHAT_TEMPLATE`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def tiny_config(arch: str = "llama", q_heads: int = 4, kv_heads: int = 2, head_dim: int = 16, layers: int = 2):

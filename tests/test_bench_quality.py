@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build, tiny_config
+from conftest import build, tiny_config, trained_tokenizer
 from test_quality_tasks import task_tokenizer
 
 import hf_sparse
@@ -24,26 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_quality as bq  # noqa: E402
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
-
 def tiny_tokenizer(chat_template: bool = True):
-    """A byte-level BPE tokenizer of 300 ids trained on the pass-key texts (no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([hf_eval.PASSKEY_FILLER, hf_eval.PASSKEY_INSTRUCTION, PASSKEY_QUESTION,
-                                   hf_eval.passkey_needle("12345")], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    if chat_template:
-        fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """A tokenizer of 300 ids trained on the pass-key texts (no download)."""
+    return trained_tokenizer([hf_eval.PASSKEY_FILLER, hf_eval.PASSKEY_INSTRUCTION, PASSKEY_QUESTION,
+                              hf_eval.passkey_needle("12345")], 300, chat_template)
 
 
 @pytest.fixture(scope="module")

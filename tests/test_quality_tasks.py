@@ -11,36 +11,21 @@ import torch
 
 import hf_sparse.tools.eval as hf_eval
 import hf_sparse.tools.long_documents as lc
+from conftest import trained_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import quality_stats as qs  # noqa: E402
 import quality_tasks as qt  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
-
 def task_tokenizer(chat_template: bool = True):
-    """A byte-level BPE tokenizer of 400 ids trained on the tasks' own wording (no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    """A tokenizer of 400 ids trained on the tasks' own wording (no download)."""
     texts = [qt.REGISTRY_INSTRUCTION, qt.TRACKING_INSTRUCTION, qt.WORDS_INSTRUCTION, qt.REGISTRY_QUESTION,
              qt.REGISTRY_VALUES_QUESTION, qt.TRACKING_QUESTION, qt.WORDS_QUESTION, qt.REGISTRY_NOTE,
              qt.TRACKING_FIRST, qt.TRACKING_NEXT, qt.REGISTRY_CUE, qt.REGISTRY_VALUES_CUE, qt.TRACKING_CUE,
              qt.WORDS_CUE, " ".join(qt.made_up_words(300, 0)), *qt.neutral_sentences(300, 0),
              hf_eval.PASSKEY_FILLER, hf_eval.PASSKEY_INSTRUCTION, hf_eval.PASSKEY_QUESTION]
-    tokenizer.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    if chat_template:
-        fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return trained_tokenizer(texts, 400, chat_template)
 
 
 @pytest.fixture(scope="module")
