@@ -403,7 +403,7 @@ def save_gates(model: torch.nn.Module, folder: str | os.PathLike, filename: str 
     gates = gathered_gates(model)
     if not gates and not _attached_directions(model):
         raise ValueError("the model has no gates attached and no key directions (load_gates, train_gates or "
-                         "key_scorer.set_key_directions attach them)")
+                         "gates.set_key_directions attach them)")
     return _write_model_gates(model, gates, Path(folder) / filename)
 
 

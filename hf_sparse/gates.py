@@ -130,7 +130,7 @@ def gate_spec(model: Any, block_size: int | None = None) -> GateSpec:
 
 def get_gates(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """The gates attached to ``model``'s attention modules, by layer index (under tensor parallelism this rank's
-    chunk of the KV heads; :func:`gathered_gates` has them all)."""
+    chunk of the KV heads; :func:`hf_sparse.gate_files.gathered_gates` has them all)."""
     gates = {}
     for layer_idx, module in attention_modules(model).items():
         weight = get_gate_weight(module)

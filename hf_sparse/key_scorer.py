@@ -9,10 +9,10 @@ window; inside PLAS's whole prefill, under the quality budget, the scan costs mo
 128K it needs more density than mean pooling (docs/gates.md, "The key scorer"), so no directions are attached by
 default.
 
-* :func:`fit_key_directions`: the directions ``{layer: [kv_heads, R, head_dim]}`` from a model's keys on some windows.
-* :func:`set_key_directions` / :func:`get_key_directions`: attach them to a model's attention modules (outside its
-  state dict, as gates are). A PLAS prefill in a layer with directions selects through :func:`select_prefill`;
-  decode keeps the summaries.
+The directions ``{layer: [kv_heads, R, head_dim]}`` are fitted by :mod:`hf_sparse.tools.key_scorer_fit` and attached
+to a model's attention modules by :func:`hf_sparse.gates.set_key_directions` (outside its state dict, as gates are).
+A PLAS prefill in a layer with directions selects through :func:`select_prefill`; decode keeps the summaries.
+
 * :func:`block_scores`: ``[B, Hq, Sq, num_blocks]`` float32, each block's largest logit of the projected query
   and keys (``kernels.pooled_block_logits``), blocks counted from each row's first real key.
 * :func:`select_prefill`: those scores in chunks of whole query tiles (each chunk's scores at most
