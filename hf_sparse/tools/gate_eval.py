@@ -10,10 +10,10 @@ import torch
 from ..gates import gate_spec, model_plas_config
 from ..kernels.reference import block_summaries
 from .gate_objective import (
-    _attention_scale,
-    _log_predictions,
-    _pooled,
-    _refuse_tensor_parallel,
+    attention_scale,
+    log_predictions,
+    pooled_logits,
+    refuse_tensor_parallel,
     choosable_blocks,
 )
 from .probe import probe_layers
@@ -64,11 +64,11 @@ def evaluate_gates(
 ) -> GateMetrics:
     """:class:`GateMetrics` of ``gates`` (layer -> weight; ``None`` or a missing layer = mean pooling, exactly
     as inference) on ``input_ids`` ``[B, S]`` (unpadded), over ``layers`` (default: the model's gated layers)."""
-    _refuse_tensor_parallel(model, "evaluate_gates")
+    refuse_tensor_parallel(model, "evaluate_gates")
     spec = gate_spec(model, block_size)
     sink_blocks = model_plas_config(model).sink_blocks
     layers = list(layers if layers is not None else spec.gated_layers)
-    scale = _attention_scale(model, spec.head_dim)
+    scale = attention_scale(model, spec.head_dim)
     per_layer: dict[int, dict[str, float]] = {}
 
     def on_layer(layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -102,14 +102,14 @@ def layer_metrics(query: torch.Tensor, key: torch.Tensor, gate: torch.Tensor | N
     for q0 in range(min(block_size, length), length, query_chunk):
         q1 = min(length, q0 + query_chunk)
         # Each block's largest attention probability and its mass: pooled logits less the row's normaliser.
-        log_mass = _pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "sum")
+        log_mass = pooled_logits(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "sum")
         lse = torch.logsumexp(log_mass, -1, keepdim=True)
         mass = (log_mass - lse).exp()
-        peak = (_pooled(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "max") - lse).exp()
+        peak = (pooled_logits(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, num_blocks, "max") - lse).exp()
         available = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, None)
         choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
-        log_all = _log_predictions(query[:, :, q0:q1], summaries, available, scale)
-        log_ranked = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
+        log_all = log_predictions(query[:, :, q0:q1], summaries, available, scale)
+        log_ranked = log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
         kl, top1, rows = _kl_top1(peak * choosable[:, None], log_ranked, choosable.sum(-1) >= 2)
         sums["kl"] += kl
         sums["top1"] += top1

@@ -23,11 +23,11 @@ TARGET_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 #: Stands for "not choosable" in the ranking objective's logits: finite, so no gradient turns NaN.
-_EXCLUDED_LOGIT = -1e4
+EXCLUDED_LOGIT = -1e4
 
 
 # -- the distillation objective -------------------------------------------------------------------------------
-def _pooled(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int, num_blocks: int,
+def pooled_logits(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int, num_blocks: int,
             pool: str) -> torch.Tensor:
     """:func:`hf_sparse.kernels.pooled_block_logits` of queries ``q0..`` over ``key[:, :, :q1]``, padded with
     ``-inf`` to ``num_blocks`` blocks (those past the chunk's keys are never visible)."""
@@ -36,7 +36,7 @@ def _pooled(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block
     return torch.nn.functional.pad(pooled, (0, missing), value=float("-inf")) if missing else pooled
 
 
-def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
+def distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale: float, block_size: int,
                          choosable: torch.Tensor, pool: str = "max") -> torch.Tensor:
     """The dense attention probabilities max-pooled (or summed) over each block and renormalised over the
     ``choosable`` blocks (``[B, Hq, c, nb]``; rows with no choosable block are 0).
@@ -44,7 +44,7 @@ def _distillation_target(query: torch.Tensor, key: torch.Tensor, q0: int, scale:
     A block's largest probability is ``exp(max logit - lse)``, its mass ``exp(logsumexp of its logits - lse)``;
     the row's ``lse`` cancels in the renormalisation, so the target is the softmax over the choosable blocks of
     the pooled logits (:func:`hf_sparse.kernels.pooled_block_logits`: on the GPU no logit matrix is written)."""
-    peak = _pooled(query, key, q0, scale, block_size, choosable.shape[-1], pool)
+    peak = pooled_logits(query, key, q0, scale, block_size, choosable.shape[-1], pool)
     return torch.softmax(peak.masked_fill_(~choosable[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
@@ -56,7 +56,7 @@ def _prediction_logits(query: torch.Tensor, summaries: torch.Tensor, available: 
     return logits.masked_fill(~available[:, None], excluded)
 
 
-def _log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
+def log_predictions(query: torch.Tensor, summaries: torch.Tensor, available: torch.Tensor, scale: float) -> torch.Tensor:
     """``log_softmax_j(q . Kc_j * scale)`` over the available blocks (``-inf`` elsewhere)."""
     return torch.log_softmax(_prediction_logits(query, summaries, available, scale, float("-inf")), dim=-1)
 
@@ -68,7 +68,7 @@ def _ranking_terms(target: torch.Tensor, logits: torch.Tensor, choosable: torch.
     k = min(top_k, target.shape[-1])
     order = target.topk(k, dim=-1).indices  # the target's best blocks, best first
     placed = logits.gather(-1, order)
-    rest = torch.logsumexp(logits.scatter(-1, order, _EXCLUDED_LOGIT), dim=-1, keepdim=True)
+    rest = torch.logsumexp(logits.scatter(-1, order, EXCLUDED_LOGIT), dim=-1, keepdim=True)
     remaining = torch.cat([placed, rest], -1).flip(-1).logcumsumexp(-1).flip(-1)[..., :k]
     valid = torch.arange(k, device=target.device) < choosable.sum(-1)[:, None, :, None]
     return ((remaining - placed) * valid).sum(-1)
@@ -120,12 +120,12 @@ def gate_distillation_loss(
         choosable = choosable_blocks(q1 - q0, num_blocks, q0, block_size, length, batch, query.device, sink_blocks)
         ranked = choosable.sum(-1) >= 2  # [B, c]: queries with something to rank
         with torch.no_grad():
-            target = _distillation_target(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, choosable, pool)
+            target = distillation_target(query[:, :, q0:q1], key[:, :, :q1], q0, scale, block_size, choosable, pool)
         if objective == "ranking":
-            logits = _prediction_logits(query[:, :, q0:q1], summaries, choosable, scale, _EXCLUDED_LOGIT)
+            logits = _prediction_logits(query[:, :, q0:q1], summaries, choosable, scale, EXCLUDED_LOGIT)
             terms = _ranking_terms(target, logits, choosable, ranking_top_k)
         else:
-            log_pred = _log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
+            log_pred = log_predictions(query[:, :, q0:q1], summaries, choosable, scale)
             terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred),
                                 torch.zeros_like(target)).sum(-1)
         total = total + (terms * ranked[:, None]).sum()
@@ -133,13 +133,14 @@ def gate_distillation_loss(
     return total / count.clamp_min(1)
 
 
-def _attention_scale(model: Any, head_dim: int) -> float:
+def attention_scale(model: Any, head_dim: int) -> float:
+    """The scale of the model's attention scores: its attention module's ``scaling``, else ``head_dim ** -0.5``."""
     module = next(iter(attention_modules(model).values()))
     scaling = getattr(module, "scaling", None)
     return float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
 
 
-def _refuse_tensor_parallel(model: Any, what: str) -> None:
+def refuse_tensor_parallel(model: Any, what: str) -> None:
     """Gate training and evaluation read every KV head of each layer; a model split by tensor parallelism holds
     some of them per rank."""
 

@@ -34,8 +34,8 @@ from .default_model import default_model_dir, load_default_model
 from .eval import held_out_sequences, stdlib_training_files
 from .gate_eval import evaluate_gates
 from .gate_objective import (
-    _attention_scale,
-    _refuse_tensor_parallel,
+    attention_scale,
+    refuse_tensor_parallel,
     gate_distillation_loss,
 )
 from .probe import probe_layers
@@ -226,7 +226,7 @@ def _differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     return "; ".join(changed) or "unreadable fingerprint"
 
 
-class _GracefulStop:
+class GracefulStop:
     """While active (main thread only), SIGINT/SIGTERM set a flag that the loop checks between steps, so an
     interruption checkpoints a consistent state; a second signal interrupts at once."""
 
@@ -241,7 +241,7 @@ class _GracefulStop:
         self.requested = signum
         logger.warning("interrupt received: stopping after the current step (interrupt again to stop now)")
 
-    def __enter__(self) -> "_GracefulStop":
+    def __enter__(self) -> "GracefulStop":
         if self.enabled:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -298,7 +298,7 @@ def train_gates(
     if not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
     config = config if config is not None else GateTrainingConfig()
-    _refuse_tensor_parallel(model, "train_gates")
+    refuse_tensor_parallel(model, "train_gates")
     spec = gate_spec(model, config.block_size)
     if config.seq_length % spec.block_size:
         raise ValueError(f"seq_length {config.seq_length} must be a multiple of block_size {spec.block_size}")
@@ -313,7 +313,7 @@ def train_gates(
                          f"{config.batch_size} x {config.seq_length} tokens")
     order = _data_order(sequences.shape[0], steps, config.batch_size, config.seed)
     device = next(model.parameters()).device
-    scale = _attention_scale(model, spec.head_dim)
+    scale = attention_scale(model, spec.head_dim)
     sink_blocks = model_plas_config(model).sink_blocks if config.skip_forced_blocks else None
 
     gates = {layer: torch.nn.Parameter(torch.full(spec.shape, 1.0 / spec.block_size, device=device))
@@ -362,7 +362,7 @@ def train_gates(
     try:
         if evaluate is not None and start == 0:
             run_evaluation(0)
-        with _GracefulStop(checkpoint is not None) as stopper:
+        with GracefulStop(checkpoint is not None) as stopper:
             for step in range(start, steps):
                 elapsed = _now() - run_start
                 if max_minutes is not None and elapsed + 1.1 * last_step_seconds > 60.0 * max_minutes:

@@ -39,7 +39,7 @@ from .adapter import (
     save_adapter,
 )
 from .default_model import DEFAULT_MODEL_ID, default_model_dir
-from .gate_training import _GracefulStop
+from .gate_training import GracefulStop
 from .long_documents import LongDocumentStream, TensorSequences, long_documents
 
 logger = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ def train_long_context(
     bar = tqdm(total=config.max_steps, initial=step, desc="long-context LoRA", unit="step", disable=not progress)
     model.train()
     try:
-        with _GracefulStop(True) as stopper:
+        with GracefulStop(True) as stopper:
             while True:
                 if config.max_steps is not None and step >= config.max_steps:
                     break
